@@ -1,0 +1,124 @@
+"""Build a tiny Llama-shaped model directory for running real vLLM on CPU with dummy weights.
+
+No weights are written (vLLM's ``--load-format dummy`` makes random ones); the directory holds
+``config.json``, a byte-level BPE ``tokenizer.json`` trained here on a deterministic synthetic
+corpus, ``tokenizer_config.json`` (with a chat template) and ``generation_config.json``. The
+result is deterministic for the same arguments. Used by the tests, the benchmarks and the CPU
+compose profile::
+
+    python -m engine_patch.tiny_model /tmp/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def _corpus(seed: int, n_lines: int) -> list[str]:
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "xe", "zu", "an", "or", "el"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    words += ["the", "a", "of", "token", "request", "gpu", "cache", "hello", "world", "prompt"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 30))) for _ in range(n_lines)]
+
+
+def build_tokenizer_json(vocab_size: int = 2048, seed: int = 0) -> str:
+    """Train a byte-level BPE tokenizer and return its ``tokenizer.json`` text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed, 4000), trainer=trainer)
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    return str(tok.to_str())
+
+
+def build(
+    out_dir: Path,
+    *,
+    vocab_size: int = 2048,
+    max_model_len: int = 4096,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write the model directory (idempotent) and return its path."""
+    from tokenizers import Tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok_text = build_tokenizer_json(vocab_size, seed)
+    (out_dir / "tokenizer.json").write_text(tok_text)
+    real_vocab = Tokenizer.from_str(tok_text).get_vocab_size()
+    head_dim = 32
+    num_heads = hidden_size // head_dim
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": real_vocab,
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_model_len,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": max_model_len,
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    gen = {"bos_token_id": 1, "eos_token_id": 2}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    args = parser.parse_args(argv)
+    path = build(args.out_dir, vocab_size=args.vocab_size, max_model_len=args.max_model_len)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

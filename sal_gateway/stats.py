@@ -1,0 +1,116 @@
+"""The `GET /stats` contract between a replica and the gateway (schema ``sal-stats/1``).
+
+Pure: no I/O. Replicas (the vLLM patch, the emulator) build a `ReplicaStats` and serve
+`ReplicaStats.to_dict()` as JSON; the gateway's poller calls `parse_stats()` on every poll
+(10x/s per backend) and gets a `ReplicaStats` or a `StatsSchemaError`.
+
+Readers ignore unknown fields and reject an unknown *major* schema (``sal-stats/2``);
+a minor suffix (``sal-stats/1.3``) is accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SCHEMA = "sal-stats/1"
+SCHEMA_MAJOR = "sal-stats/1"
+
+
+class StatsSchemaError(ValueError):
+    """A `/stats` body that does not follow the contract (names the field at fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """One replica's scheduler state, as written by its engine after a scheduling step."""
+
+    time: float
+    """Unix seconds at which the engine wrote the snapshot (not when it was served)."""
+    step: int
+    """Engine step counter; increases by one per scheduling step."""
+    model: str
+    """Served model name."""
+    scheduler: str
+    """``"larry"`` or ``"fcfs"`` (stock order with stats only)."""
+    alpha: float | None
+    """LARRY's alpha, or None for FCFS."""
+    block_size: int
+    """KV-cache block size in tokens."""
+    kv_blocks_total: int
+    """Usable KV blocks (vLLM's null block excluded)."""
+    kv_blocks_free: int
+    """KV blocks free now."""
+    free_kv_tokens: int
+    """``kv_blocks_free * block_size``."""
+    queued_prefill_tokens: int
+    """Uncomputed prompt tokens of waiting requests plus remaining prefill of running ones."""
+    num_waiting: int
+    num_running: int
+    max_num_batched_tokens: int
+    """Per-step token budget (``--max-num-batched-tokens``)."""
+    max_num_seqs: int
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object served on `GET /stats` (``schema`` first, as in the contract)."""
+        body = asdict(self)
+        return {"schema": body.pop("schema"), **body}
+
+
+_INT_FIELDS = (
+    "step",
+    "block_size",
+    "kv_blocks_total",
+    "kv_blocks_free",
+    "free_kv_tokens",
+    "queued_prefill_tokens",
+    "num_waiting",
+    "num_running",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+)
+
+
+def _int_field(obj: dict[str, Any], name: str) -> int:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StatsSchemaError(f"/stats field {name!r} must be an integer, got {value!r}")
+    if value < 0:
+        raise StatsSchemaError(f"/stats field {name!r} must be >= 0, got {value}")
+    return value
+
+
+def parse_stats(obj: object) -> ReplicaStats:
+    """Validate a decoded `/stats` JSON body and return it as `ReplicaStats`.
+
+    Raises `StatsSchemaError` naming the first bad field. Unknown fields are ignored.
+    """
+    if not isinstance(obj, dict):
+        raise StatsSchemaError(f"/stats body must be a JSON object, got {type(obj).__name__}")
+    schema = obj.get("schema")
+    if not isinstance(schema, str):
+        raise StatsSchemaError(f"/stats field 'schema' must be a string, got {schema!r}")
+    if schema != SCHEMA_MAJOR and not schema.startswith(SCHEMA_MAJOR + "."):
+        raise StatsSchemaError(f"unsupported /stats schema {schema!r} (this gateway reads {SCHEMA})")
+    time_s = obj.get("time")
+    if isinstance(time_s, bool) or not isinstance(time_s, int | float):
+        raise StatsSchemaError(f"/stats field 'time' must be a number, got {time_s!r}")
+    alpha = obj.get("alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
+        raise StatsSchemaError(f"/stats field 'alpha' must be a number or null, got {alpha!r}")
+    model = obj.get("model")
+    scheduler = obj.get("scheduler")
+    if not isinstance(model, str):
+        raise StatsSchemaError(f"/stats field 'model' must be a string, got {model!r}")
+    if not isinstance(scheduler, str):
+        raise StatsSchemaError(f"/stats field 'scheduler' must be a string, got {scheduler!r}")
+    ints = {name: _int_field(obj, name) for name in _INT_FIELDS}
+    return ReplicaStats(
+        time=float(time_s),
+        model=model,
+        scheduler=scheduler,
+        alpha=None if alpha is None else float(alpha),
+        schema=schema,
+        **ints,
+    )

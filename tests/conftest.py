@@ -1,0 +1,15 @@
+"""Session-wide fixtures shared by every test tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_patch import tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama model directory (config + locally trained tokenizer, no weights)."""
+    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"))
