@@ -100,7 +100,9 @@ def _eligible(backends: Sequence[BackendView]) -> list[int]:
     return indices
 
 
-def _argmin(backends: Sequence[BackendView], indices: Sequence[int], score: list[float]) -> Decision:
+def _argmin(
+    backends: Sequence[BackendView], indices: Sequence[int], score: list[float]
+) -> Decision:
     """Lowest score wins; ties go to the earliest index (stable)."""
     best = min(range(len(indices)), key=lambda k: (score[k], indices[k]))
     i = indices[best]
@@ -175,10 +177,7 @@ class PowerOfTwoChoices(Policy):
 
     def select(self, request: RouteRequest, backends: Sequence[BackendView]) -> Decision:
         indices = _eligible(backends)
-        if len(indices) == 1:
-            pair = indices
-        else:
-            pair = sorted(self._rng.sample(indices, 2))
+        pair = indices if len(indices) == 1 else sorted(self._rng.sample(indices, 2))
         return _argmin(backends, pair, [float(backends[i].in_flight) for i in pair])
 
 

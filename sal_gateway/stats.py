@@ -92,7 +92,9 @@ def parse_stats(obj: object) -> ReplicaStats:
     if not isinstance(schema, str):
         raise StatsSchemaError(f"/stats field 'schema' must be a string, got {schema!r}")
     if schema != SCHEMA_MAJOR and not schema.startswith(SCHEMA_MAJOR + "."):
-        raise StatsSchemaError(f"unsupported /stats schema {schema!r} (this gateway reads {SCHEMA})")
+        raise StatsSchemaError(
+            f"unsupported /stats schema {schema!r} (this gateway reads {SCHEMA})"
+        )
     time_s = obj.get("time")
     if isinstance(time_s, bool) or not isinstance(time_s, int | float):
         raise StatsSchemaError(f"/stats field 'time' must be a number, got {time_s!r}")
