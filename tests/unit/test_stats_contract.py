@@ -1,0 +1,69 @@
+"""The sal-stats/1 contract: what replicas write is what the gateway reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sal_gateway.stats import ReplicaStats, StatsSchemaError, parse_stats
+
+
+def _sample() -> ReplicaStats:
+    return ReplicaStats(
+        time=1_700_000_000.5,
+        step=42,
+        model="tiny",
+        scheduler="larry",
+        alpha=1.0,
+        block_size=16,
+        kv_blocks_total=100,
+        kv_blocks_free=60,
+        free_kv_tokens=960,
+        queued_prefill_tokens=300,
+        num_waiting=2,
+        num_running=3,
+        max_num_batched_tokens=2048,
+        max_num_seqs=256,
+    )
+
+
+def test_round_trip_through_json() -> None:
+    stats = _sample()
+    body = json.loads(json.dumps(stats.to_dict()))
+    assert next(iter(body)) == "schema"
+    assert body["schema"] == "sal-stats/1"
+    assert parse_stats(body) == stats
+
+
+def test_unknown_fields_are_ignored_and_minor_versions_accepted() -> None:
+    body = {**_sample().to_dict(), "schema": "sal-stats/1.4", "gpu_temp_c": 61}
+    assert parse_stats(body).num_running == 3
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"schema": "sal-stats/2"}, "unsupported /stats schema 'sal-stats/2'"),
+        ({"num_waiting": -1}, "'num_waiting' must be >= 0"),
+        ({"free_kv_tokens": "12"}, "'free_kv_tokens' must be an integer"),
+        ({"step": True}, "'step' must be an integer"),
+        ({"time": None}, "'time' must be a number"),
+        ({"alpha": "one"}, "'alpha' must be a number or null"),
+    ],
+)
+def test_bad_bodies_are_rejected_naming_the_field(patch: dict[str, object], message: str) -> None:
+    with pytest.raises(StatsSchemaError, match=message):
+        parse_stats({**_sample().to_dict(), **patch})
+
+
+def test_missing_field_is_named() -> None:
+    body = _sample().to_dict()
+    del body["max_num_batched_tokens"]
+    with pytest.raises(StatsSchemaError, match="max_num_batched_tokens"):
+        parse_stats(body)
+
+
+def test_non_object_body() -> None:
+    with pytest.raises(StatsSchemaError, match="JSON object"):
+        parse_stats([1, 2])
