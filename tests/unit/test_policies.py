@@ -143,5 +143,5 @@ def test_random_spreads_over_all_eligible() -> None:
 
 
 def test_unknown_policy_name_lists_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown routing policy 'fastest'.*least_requests"):
+    with pytest.raises(ValueError, match=r"unknown routing policy 'fastest'.*least_requests"):
         make_policy("fastest")
