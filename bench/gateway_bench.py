@@ -1,0 +1,298 @@
+"""Gateway benchmarks: added latency, throughput, client stacks, routing and tokenization time.
+
+``python -m bench.gateway_bench [--quick] [--no-stacks] [--json PATH]`` (also ``main(argv)``,
+for ``sal-bench``). Everything runs in ONE invocation, side by side, on loopback, with bounded
+request counts and time; every server and the load generator are separate processes:
+
+1. **Added latency, saturating**: closed-loop SSE streams (8 tokens, no delays) at 1, 50 and
+   200 concurrent streams, direct to the fast fake backend and through the gateway, back to
+   back. At 50 and 200 streams this saturates the machine, so latency there is mostly queueing
+   (concurrency / throughput).
+2. **Added latency, paced**: the same concurrencies against a second fake that paces its
+   tokens like a replica (first token after 50 ms, then one every 100 ms), so 200 streams are a
+   load the gateway can carry; here the difference is the gateway's cost per stream.
+3. **Throughput** of one gateway process: requests/s (non-streaming, small) and SSE events/s.
+4. **Client stacks**: bare streaming proxies (`bench.proxy_stacks`) over plain httpx,
+   httpx-aiohttp and aiohttp, at 200 concurrent streams, beside the real gateway.
+5. **Routing decision** time per policy with 64 backends (pure `policies.py`).
+6. **Tokenization** time per 1k-token prompt and per chat request (the gateway's tokenizer
+   module with the tiny model from `engine_patch.tiny_model`).
+
+On a shared 2-core machine the load generator, the gateway and the backend compete for the
+same cores, so absolute numbers are noisy; the ratios in the same run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.decision_timing import time_all_policies
+from bench.gateway_report import print_report
+from bench.loadgen import LoadResult
+from bench.processes import PortAllocator, server_process
+from bench.proxy_stacks import STACKS
+from bench.tables import percentile
+from bench.tokenize_timing import time_tokenization
+
+FAST_MODEL = "tiny"
+PACED_MODEL = "tiny-paced"
+CONCURRENCIES = (1, 50, 200)
+PACED_FIRST_BYTE_S = 0.05
+PACED_CHUNK_S = 0.1
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How long each load cell runs (bounded by time and by count, whichever comes first)."""
+
+    duration_s: float
+    paced_duration_s: float
+    max_requests: int
+    decision_calls: int
+    tokenize_reps: int
+
+
+FULL = Sizing(
+    duration_s=5.0,
+    paced_duration_s=8.0,
+    max_requests=20_000,
+    decision_calls=20_000,
+    tokenize_reps=50,
+)
+QUICK = Sizing(
+    duration_s=0.5,
+    paced_duration_s=1.0,
+    max_requests=500,
+    decision_calls=2_000,
+    tokenize_reps=5,
+)
+
+
+def run_loadgen(
+    url: str, *, model: str, concurrency: int, stream: bool, duration_s: float, max_requests: int
+) -> LoadResult:
+    """Run `bench.loadgen` in a child process against ``url`` and return its samples."""
+    args = [
+        sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
+        "--concurrency", str(concurrency), "--requests", str(max_requests),
+        "--duration-s", str(duration_s), "--max-tokens", "8",
+    ]  # fmt: skip
+    if stream:
+        args.append("--stream")
+    proc = subprocess.run(args, capture_output=True, check=False, timeout=duration_s + 120.0)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loadgen failed: {proc.stderr.decode(errors='replace')[-2000:]}")
+    return LoadResult.from_dict(json.loads(proc.stdout))
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Base URLs of the processes under test."""
+
+    backend: str
+    paced_backend: str
+    gateway: str
+    stacks: dict[str, str]
+
+
+def _gateway_config(path: Path, port: int, fast: str, paced: str, tokenizer: Path) -> Path:
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "models": [
+            {"name": FAST_MODEL, "tokenizer": str(tokenizer), "backends": [fast]},
+            {"name": PACED_MODEL, "tokenizer": str(tokenizer), "backends": [paced]},
+        ],
+        "routing": {"policy": "sal", "poll_interval_s": 0.1},
+        "log_level": "warning",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _python_server(
+    stack: ExitStack, ports: PortAllocator, work: Path, name: str, args: list[str], health: str
+) -> str:
+    port = ports.take()
+    url = f"http://127.0.0.1:{port}"
+    stack.enter_context(
+        server_process(
+            [*args, "--port", str(port)], f"{url}{health}", log_path=work / f"{name}.log"
+        )
+    )
+    return url
+
+
+@contextmanager
+def running_servers(work: Path, model_dir: Path, with_stacks: bool) -> Iterator[Endpoints]:
+    """Start the fake backends, the gateway and (optionally) the bare proxies; stop them all."""
+    ports = PortAllocator(19000, 20000)
+    with ExitStack() as stack:
+        fake = ["-m", "bench.fake_backend_server"]
+        backend = _python_server(
+            stack, ports, work, "backend", [*fake, "--model", FAST_MODEL], "/health"
+        )
+        paced_args = [
+            *fake, "--model", PACED_MODEL, "--first-byte-delay-s", str(PACED_FIRST_BYTE_S),
+            "--chunk-delay-s", str(PACED_CHUNK_S),
+        ]  # fmt: skip
+        paced = _python_server(stack, ports, work, "paced-backend", paced_args, "/health")
+        gw_port = ports.take()
+        config = _gateway_config(work / "gateway.yaml", gw_port, backend, paced, model_dir)
+        gateway = f"http://127.0.0.1:{gw_port}"
+        stack.enter_context(
+            server_process(
+                ["-m", "sal_gateway.cli", "serve", "--config", str(config)],
+                f"{gateway}/ready",
+                log_path=work / "gateway.log",
+            )
+        )
+        stacks: dict[str, str] = {}
+        if with_stacks:
+            for name in STACKS:
+                args = ["-m", "bench.proxy_stacks", "--stack", name, "--upstream", backend]
+                stacks[name] = _python_server(stack, ports, work, f"proxy-{name}", args, "/health")
+        yield Endpoints(backend=backend, paced_backend=paced, gateway=gateway, stacks=stacks)
+
+
+def _ms(values: list[float], q: float) -> float:
+    return percentile(values, q) * 1e3
+
+
+def _latency_row(c: int, direct: LoadResult, via: LoadResult) -> dict[str, Any]:
+    row: dict[str, Any] = {"concurrency": c}
+    for name, result in (("direct", direct), ("gateway", via)):
+        row[f"{name}_p50_ms"] = _ms(result.latency_s, 0.5)
+        row[f"{name}_p99_ms"] = _ms(result.latency_s, 0.99)
+        row[f"{name}_ttft_p50_ms"] = _ms(result.ttft_s, 0.5)
+        row[f"{name}_ttft_p99_ms"] = _ms(result.ttft_s, 0.99)
+        row[f"{name}_req_per_s"] = result.requests_per_s
+        row[f"{name}_events_per_s"] = result.events_per_s
+    for stat in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+        row[f"added_{stat}"] = row[f"gateway_{stat}"] - row[f"direct_{stat}"]
+    row["requests"] = len(via.latency_s)
+    row["errors"] = direct.errors + via.errors
+    row["error_sample"] = direct.error_sample or via.error_sample
+    return row
+
+
+def bench_added_latency(
+    direct_base: str, gateway_base: str, model: str, duration_s: float, sizing: Sizing
+) -> list[dict[str, Any]]:
+    """Direct vs through-gateway SSE latency per concurrency (one row per concurrency)."""
+    rows = []
+    for c in CONCURRENCIES:
+        results = [
+            run_loadgen(
+                f"{base}/v1/completions",
+                model=model,
+                concurrency=c,
+                stream=True,
+                duration_s=duration_s,
+                max_requests=sizing.max_requests,
+            )  # fmt: skip
+            for base in (direct_base, gateway_base)
+        ]
+        rows.append(_latency_row(c, results[0], results[1]))
+    return rows
+
+
+def bench_throughput(ep: Endpoints, sizing: Sizing, concurrency: int = 50) -> dict[str, Any]:
+    """Non-streaming requests/s, direct and through the gateway, at ``concurrency``."""
+    direct, via = (
+        run_loadgen(
+            f"{base}/v1/completions",
+            model=FAST_MODEL,
+            concurrency=concurrency,
+            stream=False,
+            duration_s=sizing.duration_s,
+            max_requests=sizing.max_requests,
+        )  # fmt: skip
+        for base in (ep.backend, ep.gateway)
+    )
+    return {
+        "concurrency": concurrency,
+        "direct_req_per_s": direct.requests_per_s,
+        "gateway_req_per_s": via.requests_per_s,
+        "gateway_p50_ms": _ms(via.latency_s, 0.5),
+        "gateway_p99_ms": _ms(via.latency_s, 0.99),
+        "errors": direct.errors + via.errors,
+    }
+
+
+def bench_stacks(ep: Endpoints, sizing: Sizing, concurrency: int = 200) -> list[dict[str, Any]]:
+    """SSE at ``concurrency`` direct, through each bare proxy, and through the gateway."""
+    targets = {"backend (direct)": ep.backend, **ep.stacks, "sal-gateway": ep.gateway}
+    rows = []
+    for name, base in targets.items():
+        result = run_loadgen(
+            f"{base}/v1/completions", model=FAST_MODEL, concurrency=concurrency, stream=True,
+            duration_s=sizing.duration_s, max_requests=sizing.max_requests,
+        )  # fmt: skip
+        rows.append(
+            {
+                "stack": name,
+                "req_per_s": result.requests_per_s,
+                "p50_ms": _ms(result.latency_s, 0.5),
+                "p99_ms": _ms(result.latency_s, 0.99),
+                "errors": result.errors,
+            }
+        )
+    return rows
+
+
+def run_all(sizing: Sizing, with_stacks: bool) -> dict[str, Any]:
+    """Run every section once and return the raw report (what ``--json`` writes)."""
+    from engine_patch import tiny_model
+
+    report: dict[str, Any] = {"sizing": asdict(sizing)}
+    with tempfile.TemporaryDirectory(prefix="sal-bench-") as tmp:
+        work = Path(tmp)
+        # 16k context so that the 10k-token tokenization input is a valid prompt.
+        model_dir = tiny_model.build(work / "tiny-llama", max_model_len=16384)
+        with running_servers(work, model_dir, with_stacks) as ep:
+            report["added_latency"] = bench_added_latency(
+                ep.backend, ep.gateway, FAST_MODEL, sizing.duration_s, sizing
+            )
+            report["paced_latency"] = bench_added_latency(
+                ep.paced_backend, ep.gateway, PACED_MODEL, sizing.paced_duration_s, sizing
+            )
+            report["paced_profile"] = {
+                "first_byte_s": PACED_FIRST_BYTE_S, "chunk_s": PACED_CHUNK_S, "tokens": 8
+            }  # fmt: skip
+            report["throughput"] = bench_throughput(ep, sizing)
+            report["stacks"] = bench_stacks(ep, sizing) if ep.stacks else []
+        report["decisions"] = [asdict(r) for r in time_all_policies(64, sizing.decision_calls)]
+        report["tokenization"] = [
+            asdict(r) for r in time_tokenization(model_dir, sizing.tokenize_reps)
+        ]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gateway_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="well under a second per cell")
+    parser.add_argument("--no-stacks", action="store_true", help="skip the client-stack proxies")
+    parser.add_argument("--json", type=Path, help="also write the raw report here")
+    args = parser.parse_args(argv)
+    report = run_all(QUICK if args.quick else FULL, with_stacks=not args.no_stacks)
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Print the gateway benchmark's raw report (`bench.gateway_bench.run_all`) as Markdown tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.tables import format_table
+
+_LATENCY_HEADERS = [
+    "streams", "direct p50", "direct p99", "gateway p50", "gateway p99", "added p50",
+    "added p99", "direct TTFT p50", "gateway TTFT p50", "added TTFT p99", "requests", "errors",
+]  # fmt: skip
+_LATENCY_KEYS = [
+    "concurrency", "direct_p50_ms", "direct_p99_ms", "gateway_p50_ms", "gateway_p99_ms",
+    "added_p50_ms", "added_p99_ms", "direct_ttft_p50_ms", "gateway_ttft_p50_ms",
+    "added_ttft_p99_ms", "requests", "errors",
+]  # fmt: skip
+
+
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``"0.42x"``; ``"n/a"`` when ``b`` is 0."""
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def _latency_table(rows: list[dict[str, Any]]) -> str:
+    return format_table(_LATENCY_HEADERS, [[r[k] for k in _LATENCY_KEYS] for r in rows])
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Print every section of ``report`` (sections missing from it are left out)."""
+    print("\n## Added latency, saturating: SSE, 8 tokens, no delays (ms, full response)\n")
+    print(_latency_table(report["added_latency"]))
+    paced = report["paced_profile"]
+    print(
+        f"\n## Added latency, paced: SSE, {paced['tokens']} tokens, first after "
+        f"{paced['first_byte_s'] * 1e3:.0f} ms, then every {paced['chunk_s'] * 1e3:.0f} ms (ms)\n"
+    )
+    print(_latency_table(report["paced_latency"]))
+
+    tp = report["throughput"]
+    sse = report["added_latency"][-1]
+    print("\n## Throughput of one gateway process (saturating load)\n")
+    rows = [
+        [
+            f"non-streaming req/s (c={tp['concurrency']})",
+            tp["direct_req_per_s"],
+            tp["gateway_req_per_s"],
+            ratio(tp["gateway_req_per_s"], tp["direct_req_per_s"]),
+        ],
+        [
+            f"SSE req/s (c={sse['concurrency']})",
+            sse["direct_req_per_s"],
+            sse["gateway_req_per_s"],
+            ratio(sse["gateway_req_per_s"], sse["direct_req_per_s"]),
+        ],
+        [
+            f"SSE events/s relayed (c={sse['concurrency']})",
+            sse["direct_events_per_s"],
+            sse["gateway_events_per_s"],
+            ratio(sse["gateway_events_per_s"], sse["direct_events_per_s"]),
+        ],
+    ]
+    print(format_table(["measure", "direct", "via gateway", "gateway/direct"], rows))
+
+    if report.get("stacks"):
+        print("\n## Client stacks: bare streaming proxies vs the gateway, 200 SSE streams\n")
+        base = report["stacks"][0]["req_per_s"]
+        print(
+            format_table(
+                ["stack", "req/s", "vs direct", "p50 ms", "p99 ms", "errors"],
+                [
+                    [
+                        r["stack"],
+                        r["req_per_s"],
+                        ratio(r["req_per_s"], base),
+                        r["p50_ms"],
+                        r["p99_ms"],
+                        r["errors"],
+                    ]  # fmt: skip
+                    for r in report["stacks"]
+                ],
+            )
+        )
+
+    print("\n## Routing decision time, 64 backends (microseconds per call)\n")
+    print(
+        format_table(
+            ["policy", "mean us", "p50 us", "p99 us", "calls"],
+            [
+                [r["policy"], r["mean_us"], r["p50_us"], r["p99_us"], r["calls"]]
+                for r in report["decisions"]
+            ],
+        )
+    )
+    print("\n## Tokenization (gateway tokenizer module, tiny model; per request)\n")
+    print(
+        format_table(
+            ["input", "tokens", "p50 ms", "p99 ms", "reps"],
+            [
+                [r["name"], r["tokens"], r["p50_ms"], r["p99_ms"], r["reps"]]
+                for r in report["tokenization"]
+            ],
+        )
+    )

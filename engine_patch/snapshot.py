@@ -1,0 +1,237 @@
+"""The scheduler-state snapshot in shared memory: fixed binary layout, seqlock writer and reader.
+
+The scheduler (in vLLM's EngineCore process) writes one record after every scheduling step;
+the API server(s) read it on every ``GET /stats`` without a round-trip to the engine. One file
+per data-parallel engine: ``{prefix}.dp{rank}`` (`snapshot_path`).
+
+Layout (little-endian, fixed size `FILE_SIZE_BYTES`)::
+
+    offset 0   8s  magic  b"SALSNAP1"
+    offset 8   Q   seq    even: record stable; odd: a write is in progress
+    offset 16  ... record (`_RECORD`)
+
+Seqlock protocol: the writer bumps ``seq`` to odd, writes the record, bumps it to even. A
+reader reads ``seq``, the record, and ``seq`` again, and retries unless both reads are equal
+and even, so it never returns a torn record. There is one writer per file (the engine's
+scheduler thread, plus its idle heartbeat, serialised by a lock in `SnapshotWriter`).
+A file appears atomically (written under a temporary name, then renamed), so a reader never
+sees a half-initialised header.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from sal_gateway.stats import ReplicaStats
+
+MAGIC = b"SALSNAP1"
+_HEADER = struct.Struct("<8sQ")
+_SEQ = struct.Struct("<Q")
+_SEQ_OFFSET = 8
+_MODEL_NAME_BYTES = 256
+_RECORD = struct.Struct(f"<dqdB7x10qH{_MODEL_NAME_BYTES}s")
+FILE_SIZE_BYTES = 4096
+READ_ATTEMPTS = 1000
+
+_SCHEDULER_CODES = {"fcfs": 0, "larry": 1}
+_SCHEDULER_NAMES = {code: name for name, code in _SCHEDULER_CODES.items()}
+
+assert _HEADER.size + _RECORD.size <= FILE_SIZE_BYTES
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot file is missing, foreign, or kept changing while being read."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    """One engine's published state: the `/stats` body plus data-parallel bookkeeping."""
+
+    stats: ReplicaStats
+    dp_rank: int
+    """Data-parallel rank of the engine that wrote it (0 without data parallelism)."""
+    dp_local_count: int
+    """How many data-parallel engines run on this host (files a reader should expect)."""
+
+
+def snapshot_path(prefix: str, dp_rank: int) -> Path:
+    """The snapshot file of data-parallel rank `dp_rank` under `prefix`."""
+    return Path(f"{prefix}.dp{dp_rank}")
+
+
+def encode_record(record: SnapshotRecord) -> bytes:
+    """Pack a record into its fixed binary layout (pure)."""
+    s = record.stats
+    model = s.model.encode("utf-8")[:_MODEL_NAME_BYTES]
+    return _RECORD.pack(
+        s.time,
+        s.step,
+        math.nan if s.alpha is None else s.alpha,
+        _SCHEDULER_CODES[s.scheduler],
+        s.block_size,
+        s.kv_blocks_total,
+        s.kv_blocks_free,
+        s.queued_prefill_tokens,
+        s.num_waiting,
+        s.num_running,
+        s.max_num_batched_tokens,
+        s.max_num_seqs,
+        record.dp_rank,
+        record.dp_local_count,
+        len(model),
+        model,
+    )
+
+
+def decode_record(data: bytes) -> SnapshotRecord:
+    """Unpack a record packed by `encode_record` (pure)."""
+    (
+        time_s,
+        step,
+        alpha,
+        scheduler_code,
+        block_size,
+        kv_total,
+        kv_free,
+        queued,
+        num_waiting,
+        num_running,
+        max_batched,
+        max_seqs,
+        dp_rank,
+        dp_local_count,
+        model_len,
+        model,
+    ) = _RECORD.unpack(data[: _RECORD.size])
+    stats = ReplicaStats(
+        time=time_s,
+        step=step,
+        model=model[:model_len].decode("utf-8", errors="replace"),
+        scheduler=_SCHEDULER_NAMES.get(scheduler_code, "unknown"),
+        alpha=None if math.isnan(alpha) else alpha,
+        block_size=block_size,
+        kv_blocks_total=kv_total,
+        kv_blocks_free=kv_free,
+        free_kv_tokens=kv_free * block_size,
+        queued_prefill_tokens=queued,
+        num_waiting=num_waiting,
+        num_running=num_running,
+        max_num_batched_tokens=max_batched,
+        max_num_seqs=max_seqs,
+    )
+    return SnapshotRecord(stats, dp_rank, dp_local_count)
+
+
+class SnapshotWriter:
+    """Owns one snapshot file; `publish()` is called by the scheduler once per step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, 0).ljust(FILE_SIZE_BYTES, b"\0"))
+        os.replace(tmp, path)
+        self._fd = os.open(path, os.O_RDWR)
+        self._mm = mmap.mmap(self._fd, FILE_SIZE_BYTES)
+        self._seq = 0
+        self._last: SnapshotRecord | None = None
+        # The scheduler thread and the idle heartbeat thread both write.
+        self._lock = threading.Lock()
+
+    @property
+    def last(self) -> SnapshotRecord | None:
+        """The record most recently published (None before the first)."""
+        return self._last
+
+    def publish(self, record: SnapshotRecord) -> None:
+        """Write `record` under the seqlock (a few microseconds)."""
+        with self._lock:
+            self._write_locked(record)
+
+    def restamp_if_idle(self, now_s: float) -> bool:
+        """Republish the last record with time `now_s` if it showed an idle engine.
+
+        An idle engine runs no steps, so nothing would refresh ``time`` and readers would
+        take a healthy idle replica for a stale one. Its state cannot change until a request
+        arrives, and that triggers a step which publishes fresh state; the lock makes sure a
+        restamp never overwrites that newer record. Returns whether it wrote.
+        """
+        with self._lock:
+            last = self._last
+            if last is None or last.stats.num_waiting or last.stats.num_running:
+                return False
+            self._write_locked(replace(last, stats=replace(last.stats, time=now_s)))
+            return True
+
+    def _write_locked(self, record: SnapshotRecord) -> None:
+        data = encode_record(record)
+        self._seq += 1
+        _SEQ.pack_into(self._mm, _SEQ_OFFSET, self._seq)
+        self._mm[_HEADER.size : _HEADER.size + len(data)] = data
+        self._seq += 1
+        _SEQ.pack_into(self._mm, _SEQ_OFFSET, self._seq)
+        self._last = record
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmap the file and (by default) remove it, so readers stop serving it."""
+        with self._lock:
+            if self._mm.closed:
+                return
+            self._mm.close()
+            os.close(self._fd)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+class SnapshotReader:
+    """Reads one snapshot file; reopens it when the file was replaced (engine restart)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._inode: int | None = None
+        self._mm: mmap.mmap | None = None
+
+    def _mapping(self) -> mmap.mmap:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError as exc:
+            self.close()
+            raise SnapshotError(f"no snapshot at {self.path}") from exc
+        if self._mm is None or st.st_ino != self._inode:
+            self.close()
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), FILE_SIZE_BYTES, access=mmap.ACCESS_READ)
+            self._inode = st.st_ino
+            if self._mm[: len(MAGIC)] != MAGIC:
+                self.close()
+                raise SnapshotError(f"{self.path} is not a SAL snapshot file")
+        return self._mm
+
+    def read(self) -> SnapshotRecord | None:
+        """The latest complete record, or None if the engine has not published one yet."""
+        mm = self._mapping()
+        for _ in range(READ_ATTEMPTS):
+            (seq_before,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
+            if seq_before % 2:
+                continue
+            data = mm[_HEADER.size : _HEADER.size + _RECORD.size]
+            (seq_after,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
+            if seq_before == seq_after:
+                return None if seq_before == 0 else decode_record(data)
+        raise SnapshotError(f"{self.path} kept changing during {READ_ATTEMPTS} read attempts")
+
+    def close(self) -> None:
+        """Unmap the file (reopened on the next `read`)."""
+        if self._mm is not None:
+            self._mm.close()
+        self._mm = None
+        self._inode = None

@@ -1,0 +1,124 @@
+"""One emulated replica: an `EngineModel` stepped on the wall clock, with token streams.
+
+A background task (`ReplicaRuntime.start`) steps the engine while it has work and sleeps
+each step's modelled duration times `time_scale` (wall seconds per modelled second: 0.1
+runs ten times faster than the modelled GPU). Tokens produced by a step are delivered to
+their streams when the sleep ends, i.e. when the modelled iteration would have finished.
+The HTTP layer (`engine_sim.emulator`) calls `submit`, reads the returned queue, and calls
+`abort` when the client goes away. All of it runs on one event loop; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, replace
+
+from engine_sim.engine import EngineModel, SimRequest
+from sal_gateway.stats import ReplicaStats
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Tokens for one choice of an HTTP request; `finished` on its last event."""
+
+    index: int
+    tokens: int
+    finished: bool
+
+
+@dataclass(slots=True)
+class _Sink:
+    queue: asyncio.Queue[TokenEvent]
+    index: int
+
+
+@dataclass(slots=True)
+class ReplicaCounters:
+    """Cumulative counters for `/metrics` (vLLM names in `engine_sim.emulator`)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+
+
+class ReplicaRuntime:
+    """Drives one `EngineModel` on the wall clock; one per emulated replica."""
+
+    def __init__(self, engine: EngineModel, time_scale: float = 1.0) -> None:
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.engine = engine
+        self.time_scale = time_scale
+        self.counters = ReplicaCounters()
+        self._sinks: dict[str, _Sink] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._start_monotonic = time.monotonic()
+        self._ids = itertools.count()
+
+    def now_s(self) -> float:
+        """The engine's clock: modelled seconds since start (wall seconds / time_scale)."""
+        return (time.monotonic() - self._start_monotonic) / self.time_scale
+
+    def start(self) -> None:
+        """Start the stepping task (call once, inside the running loop)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._drive(), name="engine-sim-replica")
+
+    async def stop(self) -> None:
+        """Cancel the stepping task and wait for it."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def submit(
+        self, prompt_tokens: int, output_tokens: int, queue: asyncio.Queue[TokenEvent], index: int
+    ) -> str:
+        """Queue one generation in the engine; its tokens go to `queue` tagged `index`.
+
+        Returns the engine request id (for `abort`). `ValueError` if the engine can never
+        hold it.
+        """
+        request_id = f"req-{next(self._ids)}"
+        self.engine.add_request(SimRequest(request_id, self.now_s(), prompt_tokens, output_tokens))
+        self._sinks[request_id] = _Sink(queue, index)
+        self.counters.prompt_tokens += prompt_tokens
+        self._wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (client gone); no-op once it finished."""
+        if self._sinks.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self.counters.requests_aborted += 1
+
+    def stats(self) -> ReplicaStats:
+        """The `/stats` snapshot, stamped with the current Unix time."""
+        return replace(self.engine.stats(self.now_s()), time=time.time())
+
+    async def _drive(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            result = engine.step(self.now_s())
+            # Sleep even for a 0 s step so HTTP handlers get the loop.
+            await asyncio.sleep(result.duration_s * self.time_scale)
+            sinks = self._sinks
+            for request_id, tokens in result.new_tokens:
+                sink = sinks.get(request_id)
+                if sink is not None:
+                    self.counters.generation_tokens += tokens
+                    finished = engine.get(request_id) is None
+                    if finished:
+                        del sinks[request_id]
+                        self.counters.requests_finished += 1
+                    sink.queue.put_nowait(TokenEvent(sink.index, tokens, finished))

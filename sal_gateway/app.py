@@ -1,0 +1,281 @@
+"""The FastAPI application: `create_app(config)`; everything stateful is built in the lifespan.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (alive), ``GET /ready`` (every model has an eligible backend, else 503),
+``GET /metrics`` (Prometheus). Every error is an OpenAI-style JSON body (`errors`); an
+unexpected exception is logged and answered 500 with a generic message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import aiohttp
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from sal_gateway import __version__
+from sal_gateway.beta import BetaEstimator
+from sal_gateway.config import GatewayConfig, ModelConfig
+from sal_gateway.errors import BadRequest, BodyTooLarge, GatewayError, ModelNotFound, error_body
+from sal_gateway.metrics import GatewayMetrics
+from sal_gateway.policies import make_policy
+from sal_gateway.poller import Poller
+from sal_gateway.proxy import Forwarder, make_session, upstream_headers
+from sal_gateway.request_body import Endpoint, parse_body
+from sal_gateway.state import StateTable
+from sal_gateway.tokenizer import PromptCounter, check_length, load_model_tokenizer
+
+logger = logging.getLogger("sal_gateway.app")
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+@dataclass(slots=True)
+class Runtime:
+    """Everything one running app owns (built in the lifespan, closed on shutdown)."""
+
+    config: GatewayConfig
+    table: StateTable
+    metrics: GatewayMetrics
+    betas: dict[str, BetaEstimator]
+    counters: dict[str, PromptCounter]
+    session: aiohttp.ClientSession
+    poller: Poller
+    forwarder: Forwarder
+    executor: ThreadPoolExecutor
+    clock: Callable[[], float]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    discovered: dict[str, set[str]] = field(default_factory=dict)
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.poller.stop_all()
+        await self.session.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def on_discovered(self, model: ModelConfig, urls: list[str]) -> None:
+        """Discovery callback: add new backends (and poll them), drop vanished ones."""
+        current = self.discovered.setdefault(model.name, set())
+        static = set(model.backends)
+        wanted = set(urls)
+        for url in sorted(wanted - current):
+            if self.table.add_backend(model.name, url, model.fallback_max_num_batched_tokens):
+                self.poller.start(model.name, url)
+        for url in sorted(current - wanted - static):
+            self.poller.cancel(model.name, url)
+            self.table.remove_backend(model.name, url)
+        self.discovered[model.name] = wanted
+
+
+def load_counters(config: GatewayConfig) -> dict[str, PromptCounter]:
+    """Load every model's tokenizer (slow, blocking); raises `TokenizerLoadError`."""
+    return {m.name: load_model_tokenizer(m.tokenizer, m.max_model_len) for m in config.models}
+
+
+async def build_runtime(
+    config: GatewayConfig,
+    *,
+    counters: Mapping[str, PromptCounter] | None = None,
+    resolve: Resolver | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Runtime:
+    """Build and start everything (pollers, discovery); call inside the running loop."""
+    if counters is None:
+        counters = await asyncio.to_thread(load_counters, config)
+    routing = config.routing
+    table = StateTable(routing.stale_after_s, routing.eject_after_failures)
+    metrics = GatewayMetrics(__version__)
+    betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
+    session = make_session(config.proxy)
+    poller = Poller(session, table, metrics, routing, clock)
+    forwarder = Forwarder(
+        session=session,
+        table=table,
+        policy=make_policy(routing.policy, routing.seed),
+        metrics=metrics,
+        betas=betas,
+        routing=routing,
+        proxy=config.proxy,
+        clock=clock,
+    )
+    runtime = Runtime(
+        config=config,
+        table=table,
+        metrics=metrics,
+        betas=betas,
+        counters=dict(counters),
+        session=session,
+        poller=poller,
+        forwarder=forwarder,
+        executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="sal-tokenize"),
+        clock=clock,
+    )
+    for model in config.models:
+        table.add_model(model.name)
+        for url in model.backends:
+            table.add_backend(model.name, url, model.fallback_max_num_batched_tokens)
+            poller.start(model.name, url)
+        if model.discovery is not None:
+            from sal_gateway.discovery import watch_dns
+
+            d = model.discovery
+            runtime.tasks.append(
+                asyncio.create_task(
+                    watch_dns(
+                        d.dns_name,
+                        d.port,
+                        d.scheme,
+                        d.interval_s,
+                        functools.partial(runtime.on_discovered, model),
+                        resolve=resolve,
+                    ),
+                    name=f"discovery {model.name}",
+                )
+            )
+    return runtime
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body, refusing more than `max_body_bytes` (header or actual size)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise BadRequest("invalid Content-Length header") from None
+        if size > max_body_bytes:
+            raise BodyTooLarge(
+                f"request body of {size} bytes exceeds the limit of {max_body_bytes} bytes"
+            )
+    chunks = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > max_body_bytes:
+            raise BodyTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error_response(exc: GatewayError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
+async def _generate(request: Request, endpoint: Endpoint) -> Response:
+    rt: Runtime = request.app.state.runtime
+    model_label = "unknown"  # unconfigured names never become label values
+    try:
+        raw = await read_body(request, rt.config.proxy.max_body_bytes)
+        inbound = parse_body(raw, endpoint)
+        counter = rt.counters.get(inbound.model)
+        if counter is None:
+            raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
+        model_label = inbound.model
+        count = await counter.count(inbound, rt.executor, rt.config.proxy.tokenize_in_thread_chars)
+        check_length(count, inbound.max_tokens, counter.max_model_len)
+        rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
+        if count.estimated:
+            rt.metrics.prompt_tokens_estimated.labels(model=model_label).inc()
+        return await rt.forwarder.forward(
+            inbound, raw, upstream_headers(request.headers), count.total
+        )
+    except GatewayError as exc:
+        if not exc.counted:
+            rt.metrics.requests.labels(
+                model=model_label, backend=exc.backend or "none", status=str(exc.status)
+            ).inc()
+        return _error_response(exc)
+
+
+def create_app(
+    config: GatewayConfig,
+    *,
+    counters: Mapping[str, PromptCounter] | None = None,
+    resolve: Resolver | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """The gateway app. `counters` (preloaded tokenizers, as the CLI does) avoids loading them
+    again; `resolve` replaces DNS resolution for discovery (tests); `clock` is monotonic."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = await build_runtime(config, counters=counters, resolve=resolve, clock=clock)
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            await runtime.aclose()
+
+    app = FastAPI(
+        title="SAL gateway",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        err = GatewayError("internal gateway error (logged)")
+        return _error_response(err)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, Endpoint.COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, Endpoint.CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        now = int(time.time())
+        data = [
+            {"id": m.name, "object": "model", "created": now, "owned_by": "sal-gateway"}
+            for m in config.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        rt: Runtime = request.app.state.runtime
+        now_s = rt.clock()
+        per_model = {
+            model: sum(
+                b.is_eligible(now_s, rt.table.stale_after_s) for b in rt.table.backends(model)
+            )
+            for model in rt.table.models()
+        }
+        is_ready = all(n > 0 for n in per_model.values())
+        return JSONResponse(
+            {"ready": is_ready, "eligible_backends": per_model},
+            status_code=200 if is_ready else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        rt: Runtime = request.app.state.runtime
+        rt.metrics.refresh(rt.table, rt.clock(), {m: b.beta for m, b in rt.betas.items()})
+        return Response(
+            rt.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    return app

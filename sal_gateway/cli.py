@@ -1,0 +1,92 @@
+"""Command line: ``sal-gateway serve --config PATH [--host H] [--port P]``, ``--version``.
+
+The config is validated and every tokenizer loaded *before* the server binds; a bad config or
+a tokenizer that cannot be loaded offline exits with status 2 and one line on stderr naming
+the problem. The server is uvicorn with uvloop and httptools (the fastest pair measured for
+this workload) and one worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+from sal_gateway import __version__
+from sal_gateway.config import ConfigError, GatewayConfig, ListenConfig, load_config
+from sal_gateway.tokenizer import TokenizerLoadError
+
+EXIT_BAD_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sal-gateway",
+        description="SAL: a server-aware, token-aware OpenAI-compatible gateway for vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"sal-gateway {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="path to config.yaml")
+    serve.add_argument("--host", help="override listen.host")
+    serve.add_argument("--port", type=int, help="override listen.port")
+    return parser
+
+
+def _with_listen(config: GatewayConfig, host: str | None, port: int | None) -> GatewayConfig:
+    listen = ListenConfig(
+        host=config.listen.host if host is None else host,
+        port=config.listen.port if port is None else port,
+    )
+    return dataclasses.replace(config, listen=listen)
+
+
+def serve(config: GatewayConfig) -> None:
+    """Load tokenizers, then run uvicorn until interrupted (raises `TokenizerLoadError`)."""
+    import uvicorn
+
+    from sal_gateway.app import create_app, load_counters
+
+    counters = load_counters(config)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config, counters=counters)
+    uvicorn.run(
+        app,
+        host=config.listen.host,
+        port=config.listen.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=config.log_level,
+        access_log=False,  # one line per request costs ~10% throughput; metrics cover it
+        timeout_graceful_shutdown=5,
+    )
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``sal-gateway`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        config = _with_listen(load_config(args.config), args.host, args.port)
+        if not 0 <= config.listen.port <= 65535:
+            raise ConfigError(f"--port: must be in 0..65535, got {config.listen.port}")
+    except ConfigError as exc:
+        print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        serve(config)
+    except TokenizerLoadError as exc:
+        print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""The gateway's typed configuration tree, loaded from ``config.yaml``.
+
+`load_config(path)` reads the YAML file, applies environment overrides and returns a validated
+`GatewayConfig`, or raises `ConfigError` whose message names the key path and the bad value
+(``models[0].backends[1]: ...``). The CLI calls it before the server binds, so a bad config
+never reaches a listening socket.
+
+Environment overrides: ``SAL_GATEWAY__<SECTION>__<FIELD>=value`` (double underscore means
+nesting, case-insensitive), e.g. ``SAL_GATEWAY__ROUTING__POLICY=p2c`` or
+``SAL_GATEWAY__LISTEN__PORT=9000``. The value is parsed as a YAML scalar (so ``0.2`` is a
+float, ``null`` is None). List items are addressed by index:
+``SAL_GATEWAY__MODELS__0__MAX_MODEL_LEN=2048``. Overrides are applied before validation, so an
+override with an unknown key is rejected like a bad file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from sal_gateway.policies import POLICIES
+
+ENV_PREFIX = "SAL_GATEWAY__"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key path and the source."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    """Where the gateway's HTTP server binds."""
+
+    host: str = "127.0.0.1"
+    """Interface address to bind."""
+    port: int = 8080
+    """TCP port (0 picks a free one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """DNS-based backend discovery (e.g. a Kubernetes headless service)."""
+
+    dns_name: str
+    """Name resolved every `interval_s`; each address becomes one backend."""
+    port: int = 8000
+    """Backend port appended to each address."""
+    scheme: str = "http"
+    """``http`` or ``https``."""
+    interval_s: float = 10.0
+    """Seconds between resolutions."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One served model and its pool of backends."""
+
+    name: str
+    """Served model name, matched against the request's ``model`` field."""
+    tokenizer: str | None = None
+    """Local tokenizer directory or Hugging Face repo id found in the local cache (offline).
+    None: prompt tokens are estimated (see docs/gateway.md) and flagged in metrics."""
+    max_model_len: int | None = None
+    """Context length; None: the tokenizer's ``model_max_length`` when sane, else unchecked."""
+    backends: tuple[str, ...] = ()
+    """Static backend base URLs (``http://host:port``)."""
+    discovery: DiscoveryConfig | None = None
+    """Optional DNS discovery; its backends are added to the static ones."""
+    fallback_max_num_batched_tokens: int = 2048
+    """Per-step token budget assumed for backends without ``/stats`` (stock vLLM's
+    ``/metrics`` does not expose it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Backend selection and state polling."""
+
+    policy: str = "sal"
+    """A name in `sal_gateway.policies.POLICIES`."""
+    poll_interval_s: float = 0.1
+    """Seconds between two polls of one backend's ``/stats`` (jittered by +-10%)."""
+    poll_timeout_s: float = 0.5
+    """Timeout of one poll."""
+    stale_after_s: float = 1.0
+    """State older than this is unknown: the backend is not eligible until polled again."""
+    eject_after_failures: int = 3
+    """Consecutive failed polls that eject a backend; one good poll re-admits it."""
+    beta_seed: float = 2.0
+    """SAL's beta before any request finished (>= 1)."""
+    seed: int | None = None
+    """RNG seed of the ``random`` and ``p2c`` policies (None: nondeterministic)."""
+    max_retries: int = 2
+    """Retries on another backend after a connect failure before the first byte."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Upstream HTTP behaviour."""
+
+    connect_timeout_s: float = 2.0
+    """Timeout to establish a TCP connection to a backend."""
+    first_byte_timeout_s: float = 60.0
+    """Timeout from sending the request to the backend's response headers."""
+    total_timeout_s: float = 600.0
+    """Timeout of the whole upstream exchange, streaming included."""
+    max_body_bytes: int = 10 * 1024 * 1024
+    """Largest accepted request body (413 above)."""
+    max_connections: int = 1024
+    """Pooled upstream connections, all backends together."""
+    tokenize_in_thread_chars: int = 4096
+    """Prompts with more characters than this are tokenized in a worker thread, so that long
+    prompts do not stall the event loop (short ones are cheaper inline)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The whole gateway configuration (``config.yaml``)."""
+
+    models: tuple[ModelConfig, ...]
+    """Served models (at least one; names unique)."""
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    log_level: str = "info"
+    """One of critical, error, warning, info, debug."""
+
+    def model(self, name: str) -> ModelConfig | None:
+        """The model config served as `name`, or None."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        return None
+
+
+# --- building the tree from plain data -----------------------------------------------------
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _as_int(path: str, value: object, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {_type_name(value)} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_float(path: str, value: object, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{path}: expected a number, got {_type_name(value)} {value!r}")
+    result = float(value)
+    if not math.isfinite(result) or (positive and result <= 0):
+        raise ConfigError(f"{path}: must be a positive finite number, got {value!r}")
+    return result
+
+
+def _as_str(path: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: expected a non-empty string, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _as_mapping(path: str, value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _check_keys(path: str, data: Mapping[str, Any], cls: type[Any]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def _backend_url(path: str, value: object) -> str:
+    url = _as_str(path, value).rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{path}: expected an http(s)://host:port URL, got {value!r}")
+    if parts.path or parts.query:
+        raise ConfigError(f"{path}: give the base URL without a path, got {value!r}")
+    return url
+
+
+def _listen(path: str, data: Mapping[str, Any]) -> ListenConfig:
+    _check_keys(path, data, ListenConfig)
+    d = ListenConfig()
+    port = _as_int(f"{path}.port", data.get("port", d.port), 0)
+    if port > 65535:
+        raise ConfigError(f"{path}.port: must be <= 65535, got {port}")
+    return ListenConfig(host=_as_str(f"{path}.host", data.get("host", d.host)), port=port)
+
+
+def _discovery(path: str, data: Mapping[str, Any]) -> DiscoveryConfig:
+    _check_keys(path, data, DiscoveryConfig)
+    if "dns_name" not in data:
+        raise ConfigError(f"{path}.dns_name: required")
+    scheme = _as_str(f"{path}.scheme", data.get("scheme", "http"))
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"{path}.scheme: expected http or https, got {scheme!r}")
+    port = _as_int(f"{path}.port", data.get("port", 8000), 1)
+    return DiscoveryConfig(
+        dns_name=_as_str(f"{path}.dns_name", data["dns_name"]),
+        port=port,
+        scheme=scheme,
+        interval_s=_as_float(f"{path}.interval_s", data.get("interval_s", 10.0)),
+    )
+
+
+def _model(path: str, data: Mapping[str, Any]) -> ModelConfig:
+    _check_keys(path, data, ModelConfig)
+    if "name" not in data:
+        raise ConfigError(f"{path}.name: required")
+    raw_backends = data.get("backends", [])
+    if not isinstance(raw_backends, list):
+        raise ConfigError(f"{path}.backends: expected a list of URLs, got {raw_backends!r}")
+    backends = tuple(_backend_url(f"{path}.backends[{i}]", b) for i, b in enumerate(raw_backends))
+    if len(set(backends)) != len(backends):
+        raise ConfigError(f"{path}.backends: duplicate URL in {list(backends)}")
+    discovery = None
+    if data.get("discovery") is not None:
+        discovery = _discovery(
+            f"{path}.discovery", _as_mapping(f"{path}.discovery", data["discovery"])
+        )
+    if not backends and discovery is None:
+        raise ConfigError(f"{path}: needs `backends` or `discovery`")
+    tokenizer = data.get("tokenizer")
+    max_model_len = data.get("max_model_len")
+    return ModelConfig(
+        name=_as_str(f"{path}.name", data["name"]),
+        tokenizer=None if tokenizer is None else _as_str(f"{path}.tokenizer", tokenizer),
+        max_model_len=(
+            None if max_model_len is None else _as_int(f"{path}.max_model_len", max_model_len, 1)
+        ),
+        backends=backends,
+        discovery=discovery,
+        fallback_max_num_batched_tokens=_as_int(
+            f"{path}.fallback_max_num_batched_tokens",
+            data.get("fallback_max_num_batched_tokens", 2048),
+            1,
+        ),
+    )
+
+
+def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
+    _check_keys(path, data, RoutingConfig)
+    d = RoutingConfig()
+    policy = _as_str(f"{path}.policy", data.get("policy", d.policy))
+    if policy not in POLICIES:
+        known = ", ".join(sorted(POLICIES))
+        raise ConfigError(f"{path}.policy: unknown policy {policy!r} (known: {known})")
+    seed = data.get("seed", d.seed)
+    beta_seed = _as_float(f"{path}.beta_seed", data.get("beta_seed", d.beta_seed))
+    if beta_seed < 1.0:
+        raise ConfigError(f"{path}.beta_seed: must be >= 1, got {beta_seed}")
+    return RoutingConfig(
+        policy=policy,
+        poll_interval_s=_as_float(
+            f"{path}.poll_interval_s", data.get("poll_interval_s", d.poll_interval_s)
+        ),
+        poll_timeout_s=_as_float(
+            f"{path}.poll_timeout_s", data.get("poll_timeout_s", d.poll_timeout_s)
+        ),
+        stale_after_s=_as_float(
+            f"{path}.stale_after_s", data.get("stale_after_s", d.stale_after_s)
+        ),
+        eject_after_failures=_as_int(
+            f"{path}.eject_after_failures",
+            data.get("eject_after_failures", d.eject_after_failures),
+            1,
+        ),
+        beta_seed=beta_seed,
+        seed=None if seed is None else _as_int(f"{path}.seed", seed),
+        max_retries=_as_int(f"{path}.max_retries", data.get("max_retries", d.max_retries), 0),
+    )
+
+
+def _proxy(path: str, data: Mapping[str, Any]) -> ProxyConfig:
+    _check_keys(path, data, ProxyConfig)
+    d = ProxyConfig()
+
+    def num(name: str) -> float:
+        return _as_float(f"{path}.{name}", data.get(name, getattr(d, name)))
+
+    def count(name: str) -> int:
+        return _as_int(f"{path}.{name}", data.get(name, getattr(d, name)), 1)
+
+    return ProxyConfig(
+        connect_timeout_s=num("connect_timeout_s"),
+        first_byte_timeout_s=num("first_byte_timeout_s"),
+        total_timeout_s=num("total_timeout_s"),
+        max_body_bytes=count("max_body_bytes"),
+        max_connections=count("max_connections"),
+        tokenize_in_thread_chars=_as_int(
+            f"{path}.tokenize_in_thread_chars",
+            data.get("tokenize_in_thread_chars", d.tokenize_in_thread_chars),
+            0,
+        ),
+    )
+
+
+def build_config(data: object) -> GatewayConfig:
+    """Validate plain data (as decoded from YAML) into a `GatewayConfig`."""
+    root = _as_mapping("<root>", data)
+    _check_keys("", root, GatewayConfig)
+    raw_models = root.get("models")
+    if not isinstance(raw_models, list) or not raw_models:
+        raise ConfigError(f"models: expected a non-empty list, got {raw_models!r}")
+    models = tuple(
+        _model(f"models[{i}]", _as_mapping(f"models[{i}]", m)) for i, m in enumerate(raw_models)
+    )
+    names = [m.name for m in models]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"models: model name {name!r} is configured twice")
+    log_level = _as_str("log_level", root.get("log_level", "info")).lower()
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"log_level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    return GatewayConfig(
+        models=models,
+        listen=_listen("listen", _as_mapping("listen", root.get("listen") or {})),
+        routing=_routing("routing", _as_mapping("routing", root.get("routing") or {})),
+        proxy=_proxy("proxy", _as_mapping("proxy", root.get("proxy") or {})),
+        log_level=log_level,
+    )
+
+
+# --- environment overrides -----------------------------------------------------------------
+
+
+def apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Return a copy of `data` with every ``SAL_GATEWAY__A__B=value`` applied at ``a.b``."""
+    import copy
+
+    result = copy.deepcopy(data)
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        keys = [k.lower() for k in name[len(ENV_PREFIX) :].split("__")]
+        if not keys or any(not k for k in keys):
+            raise ConfigError(f"environment {name}: malformed override name")
+        try:
+            value = yaml.safe_load(environ[name])
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"environment {name}: cannot parse value: {exc}") from None
+        _set_path(result, keys, value, name)
+    return result
+
+
+def _set_path(node: Any, keys: list[str], value: object, source: str) -> None:
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"environment {source}: no list item {key!r}")
+            if last:
+                node[int(key)] = value
+            else:
+                node = node[int(key)]
+        elif isinstance(node, dict):
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+        else:
+            raise ConfigError(f"environment {source}: {key!r} is not inside a mapping")
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read, override from the environment (`os.environ` by default) and validate a config."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {_type_name(data)}")
+    data = apply_env_overrides(data, os.environ if environ is None else environ)
+    try:
+        return build_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None

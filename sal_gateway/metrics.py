@@ -1,0 +1,171 @@
+"""The gateway's Prometheus metrics (names fixed by the cross-team contract, ``sal_`` prefix).
+
+One `GatewayMetrics` per app, built in the lifespan on its own `CollectorRegistry` (no global
+registry, so several apps or tests never collide). Counters and histograms are updated on the
+request path; per-backend gauges are refreshed from the state table at scrape time
+(`refresh()`), so they always describe the current pool (removed backends disappear).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from sal_gateway.state import SOURCES, StateTable
+
+_LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+_DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
+_MB = ("model", "backend")
+
+
+class GatewayMetrics:
+    """Every metric the gateway exports, on one private registry."""
+
+    def __init__(self, version: str) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "sal_requests", "Requests answered, by HTTP status", [*_MB, "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "sal_ttft_seconds",
+            "Time to first content chunk (streaming) or to the response (non-streaming)",
+            _MB,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.generation = Histogram(
+            "sal_generation_seconds",
+            "Total generation time",
+            _MB,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "sal_prompt_tokens", "Prompt tokens routed", ["model"], registry=r
+        )
+        self.output_tokens = Counter(
+            "sal_output_tokens",
+            "Output tokens reported by backends in usage",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_tokens_estimated = Counter(
+            "sal_prompt_tokens_estimated",
+            "Requests whose prompt tokens were estimated (no tokenizer configured)",
+            ["model"],
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "sal_routing_decisions", "Routing decisions", [*_MB, "policy"], registry=r
+        )
+        self.routing_decision_seconds = Histogram(
+            "sal_routing_decision_seconds",
+            "Time to take one routing decision",
+            ["policy"],
+            buckets=_DECISION_BUCKETS_S,
+            registry=r,
+        )
+        self.retries = Counter(
+            "sal_retries",
+            "Connect failures before the first byte, retried elsewhere",
+            _MB,
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "sal_stream_errors", "Upstream failures after the first byte", _MB, registry=r
+        )
+        self.ejections = Counter(
+            "sal_backend_ejections", "Backends ejected after failed polls", _MB, registry=r
+        )
+        self.healthy = Gauge("sal_backend_healthy", "1 if eligible for routing", _MB, registry=r)
+        self.free_kv = Gauge(
+            "sal_backend_free_kv_tokens",
+            "Free KV tokens (with local accounting)",
+            _MB,
+            registry=r,
+        )
+        self.queued = Gauge(
+            "sal_backend_queued_prefill_tokens",
+            "Queued prefill tokens (with local accounting)",
+            _MB,
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "sal_backend_num_waiting", "Waiting requests (last poll)", _MB, registry=r
+        )
+        self.running = Gauge(
+            "sal_backend_num_running", "Running requests (last poll)", _MB, registry=r
+        )
+        self.in_flight = Gauge(
+            "sal_backend_in_flight", "Gateway requests in flight", _MB, registry=r
+        )
+        self.state_age = Gauge(
+            "sal_backend_state_age_seconds",
+            "Age of the last good poll (+Inf: never)",
+            _MB,
+            registry=r,
+        )
+        self.stats_source = Gauge(
+            "sal_backend_stats_source",
+            "1 for the state source in use",
+            [*_MB, "source"],
+            registry=r,
+        )
+        self.beta = Gauge("sal_beta", "SAL's current beta", ["model"], registry=r)
+        self.build_info = Gauge("sal_build_info", "Gateway build", ["version"], registry=r)
+        self.build_info.labels(version=version).set(1)
+
+    def refresh(self, table: StateTable, now_s: float, betas: dict[str, float]) -> None:
+        """Rewrite the per-backend gauges from the state table (called once per scrape)."""
+        gauges = (
+            self.healthy,
+            self.free_kv,
+            self.queued,
+            self.waiting,
+            self.running,
+            self.in_flight,
+            self.state_age,
+            self.stats_source,
+        )
+        for gauge in gauges:
+            gauge.clear()
+        for model in table.models():
+            for b in table.backends(model):
+                labels = {"model": model, "backend": b.url}
+                eligible = b.is_eligible(now_s, table.stale_after_s)
+                self.healthy.labels(**labels).set(1 if eligible else 0)
+                self.free_kv.labels(**labels).set(b.free_kv_tokens())
+                self.queued.labels(**labels).set(b.queued_prefill_tokens())
+                self.waiting.labels(**labels).set(b.stats.num_waiting if b.stats else 0)
+                self.running.labels(**labels).set(b.stats.num_running if b.stats else 0)
+                self.in_flight.labels(**labels).set(b.in_flight)
+                age = b.age_s(now_s)
+                self.state_age.labels(**labels).set(float("inf") if age is None else age)
+                for source in SOURCES:
+                    self.stats_source.labels(**labels, source=source).set(
+                        1 if source == b.source else 0
+                    )
+        for model, beta in betas.items():
+            self.beta.labels(model=model).set(beta)
+
+    def exposition(self) -> bytes:
+        """The text exposition format served on ``GET /metrics``."""
+        return generate_latest(self.registry)

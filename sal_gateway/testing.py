@@ -1,0 +1,409 @@
+"""Typed fake backends for tests and benchmarks (like httpx's ``MockTransport``, but over HTTP).
+
+`FakeBackend` is a plain ASGI app that behaves like a vLLM OpenAI server as far as the gateway
+can tell: ``POST /v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, with ``usage``),
+``GET /v1/models``, ``/health``, ``/stats`` (sal-stats/1, from the settable `stats`) and a
+stock-vLLM-style ``/metrics``. Knobs (`FakeBehaviour`) set delays, tokens per chunk, and
+faults: answer 500, hang before answering, close the connection mid-stream, hang or 404 on
+``/stats``. It records what it received (`received`), how many generation requests it saw
+(`generation_requests`) and how many clients went away mid-answer (`disconnects`).
+
+`ServedBackend` runs one on 127.0.0.1 in a background thread with uvicorn and can stop and
+restart it on the same port (a backend killed and coming back)::
+
+    backend = FakeBackend(name="a")
+    with ServedBackend(backend) as url:
+        ...  # url == "http://127.0.0.1:<port>"
+
+Responses carry ``"backend": name`` (JSON) / the ``x-fake-backend`` header so tests can tell
+who answered; the request body is echoed under ``"echo"`` in non-streaming responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sal_gateway.stats import ReplicaStats
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def default_stats(model: str = "tiny") -> ReplicaStats:
+    """An idle replica with 1000 KV blocks of 16 tokens."""
+    return ReplicaStats(
+        time=time.time(),
+        step=0,
+        model=model,
+        scheduler="larry",
+        alpha=1.0,
+        block_size=16,
+        kv_blocks_total=1000,
+        kv_blocks_free=1000,
+        free_kv_tokens=16000,
+        queued_prefill_tokens=0,
+        num_waiting=0,
+        num_running=0,
+        max_num_batched_tokens=2048,
+        max_num_seqs=256,
+    )
+
+
+@dataclass(slots=True)
+class FakeBehaviour:
+    """How the fake answers (mutable at any time; read per request)."""
+
+    default_output_tokens: int = 8
+    """Output tokens when the request has no ``max_tokens``."""
+    tokens_per_chunk: int = 1
+    """Output tokens per SSE chunk."""
+    first_byte_delay_s: float = 0.0
+    """Delay before the response starts (a slow prefill)."""
+    chunk_delay_s: float = 0.0
+    """Delay between two SSE chunks."""
+    fail_status: int | None = None
+    """Answer every generation request with this HTTP status (e.g. 500)."""
+    hang: bool = False
+    """Never answer generation requests (until the client goes away)."""
+    close_after_chunks: int | None = None
+    """Drop the connection after this many SSE chunks (a crash mid-stream)."""
+    stats_hang: bool = False
+    """``/stats`` never answers."""
+    stats_status: int = 200
+    """``/stats`` status; 404 makes it look like stock vLLM."""
+
+
+@dataclass(slots=True)
+class FakeBackend:
+    """The fake vLLM server (an ASGI app). Counters are plain attributes; read them freely."""
+
+    name: str = "fake"
+    model: str = "tiny"
+    behaviour: FakeBehaviour = field(default_factory=FakeBehaviour)
+    stats: ReplicaStats = field(default_factory=default_stats)
+    metrics_waiting: int = 0
+    metrics_running: int = 0
+    metrics_kv_usage: float = 0.0
+    metrics_num_gpu_blocks: int = 1000
+    metrics_block_size: int = 16
+    received: list[dict[str, Any]] = field(default_factory=list)
+    generation_requests: int = 0
+    disconnects: int = 0
+    stats_polls: int = 0
+    keep_received: int = 1000
+    """How many request bodies `received` keeps (the newest)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path, method = scope["path"], scope["method"]
+        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            await self._generate(path, receive, send)
+        elif method == "GET" and path == "/stats":
+            await self._stats(send)
+        elif method == "GET" and path == "/metrics":
+            await _send(send, 200, self.metrics_text().encode(), b"text/plain; version=0.0.4")
+        elif method == "GET" and path == "/health":
+            await _send(send, 200, b"", b"text/plain")
+        elif method == "GET" and path == "/v1/models":
+            body = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            await _send_json(send, 200, body, self.name)
+        else:
+            await _send_json(send, 404, {"error": {"message": "not found", "code": 404}}, self.name)
+
+    def metrics_text(self) -> str:
+        """Stock vLLM 0.32-style Prometheus text for the settable ``metrics_*`` fields."""
+        labels = f'engine="0",model_name="{self.model}"'
+        return (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(self.metrics_running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(self.metrics_waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {self.metrics_kv_usage}\n"
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{self.metrics_block_size}",'
+            f'cache_dtype="auto",engine="0",'
+            f'num_gpu_blocks="{self.metrics_num_gpu_blocks}"}} 1.0\n'
+        )
+
+    async def _stats(self, send: Send) -> None:
+        self.stats_polls += 1
+        if self.behaviour.stats_hang:
+            await asyncio.Event().wait()
+        if self.behaviour.stats_status != 200:
+            await _send_json(
+                send,
+                self.behaviour.stats_status,
+                {"error": {"message": "no stats", "code": 404}},
+                self.name,
+            )
+            return
+        await _send_json(send, 200, self.stats.to_dict(), self.name)
+
+    async def _generate(self, path: str, receive: Receive, send: Send) -> None:
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnects += 1
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        self.generation_requests += 1
+        try:
+            body = json.loads(b"".join(chunks))
+        except ValueError:
+            await _send_json(send, 400, {"error": {"message": "bad json", "code": 400}}, self.name)
+            return
+        self.received.append(body)
+        del self.received[: -self.keep_received]
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+        try:
+            await self._answer(path, body, send, gone)
+        finally:
+            watcher.cancel()
+        if gone.is_set():
+            self.disconnects += 1
+
+    async def _answer(
+        self, path: str, body: dict[str, Any], send: Send, gone: asyncio.Event
+    ) -> None:
+        b = self.behaviour
+        if b.hang:
+            await gone.wait()
+            return
+        if b.first_byte_delay_s > 0:
+            await asyncio.sleep(b.first_byte_delay_s)
+        if b.fail_status is not None:
+            await _send_json(
+                send,
+                b.fail_status,
+                {"error": {"message": "fake failure", "code": b.fail_status}},
+                self.name,
+            )
+            return
+        chat = path.endswith("/chat/completions")
+        prompt_tokens = _prompt_tokens(body)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        output_tokens = max_tokens if isinstance(max_tokens, int) else b.default_output_tokens
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": output_tokens,
+            "total_tokens": prompt_tokens + output_tokens,
+        }
+        created = int(time.time())
+        base = {
+            "id": f"cmpl-{self.name}-{self.generation_requests}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": body.get("model", self.model),
+        }
+        if not body.get("stream"):
+            text = " tok" * output_tokens
+            choice: dict[str, Any] = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length"}
+            )
+            obj = {
+                **base,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice],
+                "usage": usage,
+                "backend": self.name,
+                "echo": body,
+            }
+            await _send_json(send, 200, obj, self.name)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"x-fake-backend", self.name.encode()),
+                ],
+            }
+        )
+        sent = 0
+        n_chunks = 0
+        while sent < output_tokens:
+            if gone.is_set():
+                return
+            if b.close_after_chunks is not None and n_chunks >= b.close_after_chunks:
+                raise ConnectionAbortedError("fake backend crashed mid-stream")
+            k = min(b.tokens_per_chunk, output_tokens - sent)
+            sent += k
+            n_chunks += 1
+            finish = "length" if sent >= output_tokens else None
+            delta = (
+                {"index": 0, "delta": {"content": " tok" * k}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": " tok" * k, "finish_reason": finish}
+            )
+            event = {**base, "choices": [delta], "backend": self.name}
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                }
+            )
+            if b.chunk_delay_s > 0:
+                await asyncio.sleep(b.chunk_delay_s)
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            event = {**base, "choices": [], "usage": usage}
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b"data: " + json.dumps(event).encode() + b"\n\n",
+                }
+            )
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    """A stand-in count: token IDs count as themselves, text as whitespace-separated words."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        messages = body.get("messages") or []
+        return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+    if isinstance(prompt, str):
+        return len(prompt.split())
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return sum(len(p) for p in prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return sum(len(p.split()) for p in prompt)
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+            return
+
+
+async def _send(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, status: int, obj: object, name: str) -> None:
+    await _send(
+        send,
+        status,
+        json.dumps(obj).encode(),
+        b"application/json",
+        [(b"x-fake-backend", name.encode())],
+    )
+
+
+class ServedApp:
+    """Serves any ASGI app on 127.0.0.1 from a background thread (uvicorn, its own loop).
+
+    `stop()` kills it (listening socket and open connections closed), `start()` brings it
+    back on the same port. Also a context manager yielding the base URL. With
+    ``lifespan=True`` the app's lifespan runs (the gateway needs it; the fake does not).
+    """
+
+    def __init__(
+        self, app: Any, port: int = 0, host: str = "127.0.0.1", lifespan: bool = False
+    ) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self.lifespan = lifespan
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            loop="asyncio",
+            http="httptools",
+            lifespan="on" if self.lifespan else "off",
+            timeout_graceful_shutdown=1,
+            ws="none",
+        )
+        server = uvicorn.Server(config)
+        self._server = server
+        self._thread = threading.Thread(target=server.run, name="served app", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.app!r} did not start on port {self.port}")
+            time.sleep(0.01)
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+        return self.url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._server is None or self._thread is None:
+            return
+        self._server.should_exit = True
+        self._server.force_exit = True
+        self._thread.join(timeout_s)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServedBackend(ServedApp):
+    """A `FakeBackend` served by `ServedApp`."""
+
+    def __init__(self, backend: FakeBackend, port: int = 0, host: str = "127.0.0.1") -> None:
+        super().__init__(backend, port, host)
+        self.backend = backend

@@ -1,0 +1,228 @@
+"""Prompt token counting per model, matching vLLM 0.32's ``usage.prompt_tokens``.
+
+Built once per model at start-up (`load_model_tokenizer`, offline: a local directory or the
+local Hugging Face cache, never the network); the app calls `PromptCounter.count()` once per
+request. Rules, mirrored from vLLM 0.32 (`entrypoints/openai/*/protocol.py`,
+`renderers/hf.py`, `renderers/chat_utils.py`):
+
+* token-ID prompts (``[int]`` or ``[[int]]``) count as their length;
+* completions text is encoded with ``add_special_tokens`` from the request (default **True**,
+  so a BOS is counted when the tokenizer adds one);
+* chat messages are rendered with the chat template (``tokenize=False``,
+  ``add_generation_prompt`` default True, ``continue_final_message``, ``tools``,
+  ``chat_template_kwargs`` and a request ``chat_template`` passed through), list-of-parts
+  content joined with ``"\\n"`` as vLLM's "string" content format does, then encoded with
+  ``add_special_tokens`` from the request (default **False**: the template adds BOS);
+* batched prompts count each prompt; the request's total is the sum.
+
+Without a tokenizer the count is an estimate: ``ceil(utf8_bytes / 4)`` per text prompt and,
+for chat, ``ceil(utf8_bytes_of_all_contents / 4) + 4 * messages + 3``; such requests are
+flagged (`PromptCount.estimated`) and counted in ``sal_prompt_tokens_estimated_total``.
+
+Long prompts are encoded in a worker thread (`count()` with an executor) so the event loop keeps
+serving other requests while a 100k-token prompt is tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sal_gateway.errors import BadRequest
+from sal_gateway.request_body import Endpoint, InboundRequest
+
+ESTIMATE_BYTES_PER_TOKEN = 4
+ESTIMATE_CHAT_TOKENS_PER_MESSAGE = 4
+ESTIMATE_CHAT_TOKENS_FIXED = 3
+# HF's "no limit" sentinel is ~1e30; anything this large is not a real context length.
+_UNSET_MODEL_MAX_LENGTH = 10**9
+
+
+class TokenizerLoadError(RuntimeError):
+    """A configured tokenizer could not be loaded offline."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    """Prompt tokens of one request."""
+
+    per_prompt: tuple[int, ...]
+    """One count per prompt (batched completions have several)."""
+    estimated: bool
+    """True when no tokenizer was available and the documented estimate was used."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_prompt)
+
+
+def _content_text(content: object) -> str:
+    """vLLM's "string" content format: text parts joined with a newline."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            elif isinstance(part, str):
+                texts.append(part)
+        return "\n".join(texts)
+    return str(content)
+
+
+def conversation(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to the chat template (contents flattened to text)."""
+    result = []
+    for msg in messages:
+        converted = dict(msg)
+        converted["content"] = _content_text(msg.get("content"))
+        result.append(converted)
+    return result
+
+
+def _text_size(req: InboundRequest) -> int:
+    if req.endpoint is Endpoint.CHAT:
+        return sum(len(_content_text(m.get("content"))) for m in req.messages)
+    return sum(len(p) for p in req.prompts if isinstance(p, str))
+
+
+def estimate(req: InboundRequest) -> PromptCount:
+    """The documented estimate used when the model has no tokenizer."""
+    if req.endpoint is Endpoint.CHAT:
+        n_bytes = sum(len(_content_text(m.get("content")).encode()) for m in req.messages)
+        tokens = (
+            math.ceil(n_bytes / ESTIMATE_BYTES_PER_TOKEN)
+            + ESTIMATE_CHAT_TOKENS_PER_MESSAGE * len(req.messages)
+            + ESTIMATE_CHAT_TOKENS_FIXED
+        )
+        return PromptCount((tokens,), estimated=True)
+    counts = tuple(
+        math.ceil(len(p.encode()) / ESTIMATE_BYTES_PER_TOKEN) if isinstance(p, str) else len(p)
+        for p in req.prompts
+    )
+    return PromptCount(counts, estimated=any(isinstance(p, str) for p in req.prompts))
+
+
+class PromptCounter:
+    """Counts one model's prompt tokens; wraps a Hugging Face tokenizer (or none)."""
+
+    def __init__(self, hf_tokenizer: Any | None, max_model_len: int | None) -> None:
+        self.hf_tokenizer: Any = hf_tokenizer
+        self.max_model_len = max_model_len
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.hf_tokenizer is not None
+
+    def _encode_len(self, text: str, add_special_tokens: bool) -> int:
+        ids = self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return len(ids)
+
+    def _render_chat(self, req: InboundRequest) -> str:
+        body = req.body
+        kwargs: dict[str, Any] = dict(body.get("chat_template_kwargs") or {})
+        kwargs["add_generation_prompt"] = body.get("add_generation_prompt", True)
+        kwargs["continue_final_message"] = body.get("continue_final_message", False)
+        if body.get("chat_template") is not None:
+            kwargs["chat_template"] = body["chat_template"]
+        if body.get("documents") is not None:
+            kwargs["documents"] = body["documents"]
+        tools = body.get("tools")
+        try:
+            text = self.hf_tokenizer.apply_chat_template(
+                conversation(req.messages), tools=tools, tokenize=False, **kwargs
+            )
+        except Exception as exc:  # the template itself rejects bad input (vLLM answers 400)
+            raise BadRequest(
+                f"chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        return str(text)
+
+    def count_sync(self, req: InboundRequest) -> PromptCount:
+        """Count `req`'s prompt tokens on the calling thread."""
+        if self.hf_tokenizer is None:
+            return estimate(req)
+        if req.endpoint is Endpoint.CHAT:
+            add_special = bool(req.body.get("add_special_tokens", False))
+            return PromptCount((self._encode_len(self._render_chat(req), add_special),), False)
+        add_special = bool(req.body.get("add_special_tokens", True))
+        counts = tuple(
+            self._encode_len(p, add_special) if isinstance(p, str) else len(p) for p in req.prompts
+        )
+        return PromptCount(counts, estimated=False)
+
+    async def count(
+        self, req: InboundRequest, executor: Executor | None, thread_above_chars: int
+    ) -> PromptCount:
+        """Count on the loop for short prompts, in `executor` above `thread_above_chars`."""
+        if self.hf_tokenizer is None or executor is None or _text_size(req) <= thread_above_chars:
+            return self.count_sync(req)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, self.count_sync, req)
+
+
+def check_length(count: PromptCount, max_tokens: int | None, max_model_len: int | None) -> None:
+    """Reject what vLLM 0.32 rejects: a prompt longer than the context, or ``max_tokens``
+    larger than the context. (A prompt that fits but leaves less room than ``max_tokens`` is
+    not rejected by vLLM: it clamps ``max_tokens``; so the gateway forwards it.)"""
+    if max_model_len is None:
+        return
+    for n in count.per_prompt:
+        if n > max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt contains {n} input tokens, which exceeds this limit even without any "
+                f"output tokens. Please reduce the length of the input prompt.",
+                param="input_tokens",
+            )
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise BadRequest(
+            f"max_tokens={max_tokens} cannot be greater than the model's maximum context "
+            f"length {max_model_len}. Please request fewer output tokens.",
+            param="max_tokens",
+        )
+
+
+def _context_len_from_dir(path: Path) -> int | None:
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def load_model_tokenizer(tokenizer: str | None, max_model_len: int | None) -> PromptCounter:
+    """Load a model's tokenizer offline (slow: call once at start-up, off the event loop).
+
+    ``max_model_len`` when not configured: the model dir's ``config.json``
+    ``max_position_embeddings`` (what vLLM uses), else the tokenizer's ``model_max_length``.
+    """
+    if tokenizer is None:
+        return PromptCounter(None, max_model_len)
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, ... here
+        raise TokenizerLoadError(
+            f"cannot load tokenizer {tokenizer!r} offline (local dir or local HF cache): {exc}"
+        ) from exc
+    if max_model_len is None:
+        max_model_len = _context_len_from_dir(Path(tokenizer))
+    if max_model_len is None:
+        length = getattr(hf, "model_max_length", None)
+        if isinstance(length, int) and 0 < length < _UNSET_MODEL_MAX_LENGTH:
+            max_model_len = length
+    return PromptCounter(hf, max_model_len)

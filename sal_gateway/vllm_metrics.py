@@ -1,0 +1,101 @@
+"""Backend state from stock vLLM's Prometheus ``/metrics`` (fallback when ``/stats`` is 404).
+
+Pure: the poller calls `parse_vllm_metrics()` with the exposition text. Used series (vLLM
+0.32, summed over data-parallel engines):
+
+* ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (gauges);
+* ``vllm:kv_cache_usage_perc`` (gauge, a fraction 0..1, per engine);
+* ``vllm:cache_config_info`` (info gauge; labels ``num_gpu_blocks`` and ``block_size``).
+
+Free KV tokens = sum over engines of ``(1 - usage) * num_gpu_blocks * block_size``. vLLM does
+not expose queued prefill tokens or the per-step token budget; the result carries 0 queued
+tokens (the state table substitutes the gateway's own in-flight counts) and
+``max_num_batched_tokens=0`` (the state table substitutes the configured fallback).
+"""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sal_gateway.stats import ReplicaStats
+
+_WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+_CACHE_INFO = "vllm:cache_config_info"
+
+
+class MetricsParseError(ValueError):
+    """The text lacks a series the fallback needs (names it)."""
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    try:
+        value = int(float(labels[name]))
+    except (KeyError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
+def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
+    """Turn vLLM ``/metrics`` text into a `ReplicaStats` (schema ``sal-stats/1``).
+
+    `time_s` is stamped as the snapshot time (the caller's clock). Raises `MetricsParseError`.
+    """
+    waiting = running = 0.0
+    found: set[str] = set()
+    usage_by_engine: dict[str, float] = {}
+    blocks_by_engine: dict[str, tuple[int, int]] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as exc:
+        raise MetricsParseError(f"unparsable /metrics text: {exc}") from None
+    for family in families:
+        for sample in family.samples:
+            name = sample.name
+            engine = sample.labels.get("engine", "0")
+            if name == _WAITING:
+                waiting += sample.value
+                found.add(name)
+            elif name == _RUNNING:
+                running += sample.value
+                found.add(name)
+            elif name == _KV_USAGE:
+                usage_by_engine[engine] = min(1.0, max(0.0, sample.value))
+                found.add(name)
+            elif name == _CACHE_INFO:
+                blocks = _int_label(sample.labels, "num_gpu_blocks")
+                block_size = _int_label(sample.labels, "block_size")
+                if blocks is not None and block_size is not None and block_size > 0:
+                    blocks_by_engine[engine] = (blocks, block_size)
+                    found.add(name)
+    for needed in (_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO):
+        if needed not in found:
+            raise MetricsParseError(f"/metrics lacks {needed}")
+    free_tokens = 0
+    free_blocks = 0
+    total_blocks = 0
+    block_size = next(iter(blocks_by_engine.values()))[1]
+    mean_usage = sum(usage_by_engine.values()) / len(usage_by_engine)
+    for engine, (blocks, size) in blocks_by_engine.items():
+        usage = usage_by_engine.get(engine, mean_usage)
+        engine_free_blocks = round(blocks * (1.0 - usage))
+        free_blocks += engine_free_blocks
+        total_blocks += blocks
+        free_tokens += engine_free_blocks * size
+    return ReplicaStats(
+        time=time_s,
+        step=0,
+        model=model,
+        scheduler="unknown",
+        alpha=None,
+        block_size=block_size,
+        kv_blocks_total=total_blocks,
+        kv_blocks_free=free_blocks,
+        free_kv_tokens=free_tokens,
+        queued_prefill_tokens=0,
+        num_waiting=int(waiting),
+        num_running=int(running),
+        max_num_batched_tokens=0,
+        max_num_seqs=0,
+    )

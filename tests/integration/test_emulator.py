@@ -1,0 +1,168 @@
+"""The emulator over real sockets: the OpenAI SDK, `/stats`, `/metrics`, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine_sim.emulator import run_emulators
+from sal_gateway.request_body import Endpoint, parse_body
+from sal_gateway.stats import parse_stats
+from sal_gateway.tokenizer import load_model_tokenizer
+from sal_gateway.vllm_metrics import parse_vllm_metrics
+
+
+def client_for(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+async def wait_idle(http: httpx.AsyncClient, url: str, polls: int = 500) -> dict[str, object]:
+    """Poll `/stats` until nothing is waiting or running (bounded)."""
+    for _ in range(polls):
+        body = (await http.get(f"{url}/stats")).json()
+        if body["num_running"] == 0 and body["num_waiting"] == 0:
+            return dict(body)
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"replica never went idle: {body}")
+
+
+async def test_completions_through_the_openai_sdk_non_streaming() -> None:
+    async with run_emulators(1) as (url,):
+        client = client_for(url)
+        result = await client.completions.create(
+            model="tiny", prompt=[5, 6, 7, 8], max_tokens=7, extra_body={"ignore_eos": True}
+        )
+        await client.close()
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == 4
+    assert result.usage.completion_tokens == 7
+    assert result.choices[0].finish_reason == "length"
+    assert result.choices[0].text.count("tok") == 7
+
+
+async def test_chat_streaming_delivers_every_token_and_usage() -> None:
+    async with run_emulators(1) as (url,):
+        client = client_for(url)
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "How long is a piece of string?"}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        contents: list[str] = []
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                contents.append(choice.delta.content or "")
+        await client.close()
+    assert "".join(contents).count("tok") == 12
+    assert usage is not None
+    assert usage.completion_tokens == 12
+    # No tokenizer configured: the gateway's documented estimate, ceil(30 / 4) + 4 + 3.
+    assert usage.prompt_tokens == 15
+
+
+async def test_stats_and_metrics_follow_the_contracts_under_load() -> None:
+    async with run_emulators(1, num_kv_blocks=64, time_scale=2.0) as (url,):
+        client = client_for(url)
+        jobs = [
+            asyncio.create_task(
+                client.completions.create(model="tiny", prompt=[1] * 300, max_tokens=40)
+            )
+            for _ in range(6)
+        ]
+        async with httpx.AsyncClient() as http:
+            busy = None
+            for _ in range(200):
+                stats = parse_stats((await http.get(f"{url}/stats")).json())
+                if stats.num_waiting and stats.num_running:
+                    busy = stats
+                    break
+                await asyncio.sleep(0.005)
+            metrics = parse_vllm_metrics((await http.get(f"{url}/metrics")).text, "tiny", 0.0)
+            results = await asyncio.gather(*jobs)
+            idle = parse_stats(await wait_idle(http, url))
+        await client.close()
+    # 6 x 300-token prompts (19 blocks each) cannot all fit 64 blocks: some wait.
+    assert busy is not None
+    assert busy.kv_blocks_free < busy.kv_blocks_total == 64
+    assert busy.queued_prefill_tokens >= 300
+    assert metrics.kv_blocks_total == 64
+    assert metrics.block_size == 16
+    assert all(r.usage is not None and r.usage.completion_tokens == 40 for r in results)
+    assert idle.kv_blocks_free == 64
+    assert idle.queued_prefill_tokens == 0
+    assert idle.step > busy.step
+
+
+async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
+    # time_scale 5: a 100k-token generation would take many minutes of wall time.
+    async with run_emulators(1, time_scale=5.0) as (url,), httpx.AsyncClient() as http:
+        body = {"model": "tiny", "prompt": [1] * 10, "max_tokens": 10_000, "stream": True}
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        # The stream is closed; the engine must forget the request and free its blocks.
+        idle = parse_stats(await wait_idle(http, url))
+        assert idle.kv_blocks_free == idle.kv_blocks_total
+        # Non-streaming: the client gives up (timeout) and disconnects.
+        body["stream"] = False
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"{url}/v1/completions", json=body, timeout=0.3)
+        idle = parse_stats(await wait_idle(http, url))
+        assert idle.kv_blocks_free == idle.kv_blocks_total
+
+
+async def test_several_replicas_in_one_process_are_independent() -> None:
+    async with run_emulators(3, scheduler="larry", alpha=5.0) as urls, httpx.AsyncClient() as http:
+        assert len(set(urls)) == 3
+        client = client_for(urls[1])
+        await client.completions.create(model="tiny", prompt=[3] * 50, max_tokens=5)
+        await client.close()
+        steps = []
+        for url in urls:
+            assert (await http.get(f"{url}/health")).status_code == 200
+            stats = parse_stats((await http.get(f"{url}/stats")).json())
+            assert stats.scheduler == "larry"
+            assert stats.alpha == 5.0
+            steps.append(stats.step)
+    assert steps[0] == steps[2] == 0
+    assert steps[1] > 0
+
+
+async def test_errors_are_openai_shaped() -> None:
+    async with run_emulators(1, num_kv_blocks=8) as (url,), httpx.AsyncClient() as http:
+        wrong_model = await http.post(f"{url}/v1/completions", json={"model": "x", "prompt": "a"})
+        too_big = await http.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": [1] * 100, "max_tokens": 100}
+        )
+    assert wrong_model.status_code == 404
+    assert wrong_model.json()["error"]["param"] == "model"
+    # 8 blocks hold 128 tokens: prompt (100) + max_tokens clamped to the context.
+    assert too_big.status_code == 200
+    assert too_big.json()["usage"]["completion_tokens"] == 28
+
+
+async def test_prompt_counts_match_the_gateway_with_a_tokenizer(tiny_model_dir: Path) -> None:
+    text = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
+    raw = httpx.Request(
+        "POST", "http://x", json={"model": "tiny", "prompt": text, "max_tokens": 2}
+    ).content
+    expected = load_model_tokenizer(str(tiny_model_dir), None).count_sync(
+        parse_body(raw, Endpoint.COMPLETIONS)
+    )
+    async with run_emulators(1, tokenizer=str(tiny_model_dir)) as (url,):
+        client = client_for(url)
+        result = await client.completions.create(model="tiny", prompt=text, max_tokens=2)
+        await client.close()
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == expected.total
+    assert expected.estimated is False

@@ -1,0 +1,284 @@
+"""The gateway in front of real vLLM-on-CPU replicas of the tiny model, the OpenAI SDK as client.
+
+Two patched replicas (LARRY + ``/stats``) are started once for the module's first class, then
+stopped; one stock replica (no patch, no ``/stats``) for the second class exercises the
+``/metrics`` fallback. The gateway runs as a CLI child process with a generated config.
+
+What a user would notice if it broke: completions and chat answer through the gateway
+(streaming and not); the gateway's prompt-token count (``sal_prompt_tokens_total``) equals
+vLLM's own ``usage.prompt_tokens`` for text, token-ID, batched and chat prompts; a burst of
+requests spreads over both replicas; ``/ready`` says ready; a stock replica is usable and
+reported as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.gateway_support import free_port, gateway_config, metric, run_gateway, scrape_metrics
+from tests.vllm_support import run_replica
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = "tiny"
+# Forced output lengths keep generation short and deterministic in size.
+MAX_TOKENS = 4
+IGNORE_EOS = {"ignore_eos": True}
+
+
+def _start_replicas(model_dir: Path, schedulers: list[str], stack: ExitStack) -> list[str]:
+    """Start one replica per scheduler in parallel (their ~40 s start-ups overlap)."""
+    ports = []
+    next_port = 19400
+    for _ in schedulers:
+        port = free_port(next_port, 19500)
+        ports.append(port)
+        next_port = port + 1
+    managers = [
+        run_replica(model_dir, port, scheduler=s) for port, s in zip(ports, schedulers, strict=True)
+    ]
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(m.__enter__) for m in managers]
+        urls = []
+        errors = []
+        for manager, future in zip(managers, futures, strict=True):
+            try:
+                urls.append(future.result())
+                stack.push(manager.__exit__)
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        stack.close()
+        raise errors[0]
+    return urls
+
+
+def _prompt_tokens_total(gateway: str) -> float:
+    return metric(scrape_metrics(gateway), "sal_prompt_tokens_total", model=MODEL)
+
+
+def _replica_requests(replica: str) -> float:
+    """vLLM's own count of finished requests on one replica (ground truth of where they ran)."""
+    text = httpx.get(f"{replica}/metrics", timeout=5.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# Class-scoped: each class's replicas are stopped before the next class starts its own, so
+# at most two vLLM replicas run at once (~3 GB each).
+@pytest.fixture(scope="class")
+def replicas(tiny_model_dir: Path) -> Iterator[list[str]]:
+    with ExitStack() as stack:
+        yield _start_replicas(tiny_model_dir, ["larry", "larry"], stack)
+
+
+@pytest.fixture(scope="class")
+def gateway(replicas: list[str], tiny_model_dir: Path) -> Iterator[str]:
+    port = free_port(19500, 19600)
+    config = gateway_config(port, replicas, tokenizer=tiny_model_dir, policy="sal")
+    with run_gateway(config) as url:
+        yield url
+
+
+@pytest.fixture(scope="class")
+def stock_replica(tiny_model_dir: Path) -> Iterator[str]:
+    with ExitStack() as stack:
+        yield _start_replicas(tiny_model_dir, ["stock"], stack)[0]
+
+
+@pytest.fixture(scope="class")
+def stock_gateway(stock_replica: str, tiny_model_dir: Path) -> Iterator[str]:
+    port = free_port(19600, 19700)
+    config = gateway_config(port, [stock_replica], tokenizer=tiny_model_dir, policy="sal")
+    with run_gateway(config) as url:
+        yield url
+
+
+@pytest.fixture
+def client(gateway: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+class TestPatchedPair:
+    """Two replicas with the engine patch behind the gateway's SAL policy."""
+
+    def test_ready_and_models(self, gateway: str) -> None:
+        ready = httpx.get(f"{gateway}/ready", timeout=5.0)
+        assert ready.status_code == 200
+        models = httpx.get(f"{gateway}/v1/models", timeout=5.0).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+
+    def test_replicas_report_stats_source(self, gateway: str, replicas: list[str]) -> None:
+        samples = scrape_metrics(gateway)
+        for replica in replicas:
+            assert (
+                metric(samples, "sal_backend_stats_source", backend=replica, source="stats") == 1.0
+            )
+            assert metric(samples, "sal_backend_healthy", backend=replica) == 1.0
+
+    @pytest.mark.parametrize(
+        "prompt",
+        [
+            pytest.param("hello world, the token cache of a gpu", id="text"),
+            pytest.param([5, 17, 99, 300, 42, 7, 7, 8], id="token-ids"),
+            pytest.param(
+                ["hello world", "a much longer prompt about the request cache"], id="batched-text"
+            ),
+            pytest.param([[5, 6, 7], [8, 9, 10, 11, 12]], id="batched-token-ids"),
+        ],
+    )
+    def test_completion_prompt_tokens_match_vllm(
+        self, client: openai.OpenAI, gateway: str, prompt: str | list[int] | list[str]
+    ) -> None:
+        before = _prompt_tokens_total(gateway)
+        resp = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, extra_body=IGNORE_EOS
+        )
+        assert resp.usage is not None
+        assert resp.choices
+        assert all(c.text is not None for c in resp.choices)
+        assert _prompt_tokens_total(gateway) - before == resp.usage.prompt_tokens
+
+    @pytest.mark.parametrize(
+        "messages",
+        [
+            pytest.param([{"role": "user", "content": "hello world"}], id="one-user"),
+            pytest.param(
+                [
+                    {"role": "system", "content": "you are a cache"},
+                    {"role": "user", "content": "the token request of a gpu"},
+                    {"role": "assistant", "content": "kalo minesa"},
+                    {"role": "user", "content": "again, hello"},
+                ],
+                id="multi-turn",
+            ),
+            pytest.param(
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "hello"},
+                            {"type": "text", "text": "world prompt"},
+                        ],
+                    }
+                ],
+                id="content-parts",
+            ),
+        ],
+    )
+    def test_chat_prompt_tokens_match_vllm(
+        self, client: openai.OpenAI, gateway: str, messages: list[ChatCompletionMessageParam]
+    ) -> None:
+        before = _prompt_tokens_total(gateway)
+        resp = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, extra_body=IGNORE_EOS
+        )
+        assert resp.usage is not None
+        assert resp.choices[0].message.role == "assistant"
+        assert _prompt_tokens_total(gateway) - before == resp.usage.prompt_tokens
+
+    def test_streaming_completion(self, client: openai.OpenAI, gateway: str) -> None:
+        before = _prompt_tokens_total(gateway)
+        stream = client.completions.create(
+            model=MODEL,
+            prompt="stream me the hello world tokens",
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=MAX_TOKENS,
+            extra_body=IGNORE_EOS,
+        )
+        texts: list[str] = []
+        usage = None
+        for chunk in stream:
+            texts.extend(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        assert usage is not None
+        assert usage.completion_tokens == 4
+        assert len(texts) >= 1
+        assert _prompt_tokens_total(gateway) - before == usage.prompt_tokens
+
+    def test_streaming_chat(self, client: openai.OpenAI, gateway: str) -> None:
+        before = _prompt_tokens_total(gateway)
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "stream a chat answer"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=MAX_TOKENS,
+            extra_body=IGNORE_EOS,
+        )
+        usage = None
+        finish = None
+        for chunk in stream:
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        assert finish == "length"
+        assert usage is not None
+        assert usage.completion_tokens == 4
+        assert _prompt_tokens_total(gateway) - before == usage.prompt_tokens
+
+    def test_burst_reaches_both_replicas(self, gateway: str, replicas: list[str]) -> None:
+        before = [_replica_requests(r) for r in replicas]
+
+        async def burst() -> None:
+            async with openai.AsyncOpenAI(
+                base_url=f"{gateway}/v1", api_key="unused", max_retries=0
+            ) as aclient:
+                await asyncio.gather(
+                    *(
+                        aclient.completions.create(
+                            model=MODEL,
+                            prompt=f"burst request {i} " * 20,
+                            max_tokens=MAX_TOKENS,
+                            extra_body=IGNORE_EOS,
+                        )
+                        for i in range(16)
+                    )
+                )
+
+        asyncio.run(burst())
+        served = [_replica_requests(r) - b for r, b in zip(replicas, before, strict=True)]
+        assert sum(served) == 16
+        assert all(n > 0 for n in served), served
+
+    def test_vllm_rejection_passes_through(self, client: openai.OpenAI) -> None:
+        # vLLM answers 400 for a negative temperature; the gateway relays status and body.
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="x", temperature=-1.0, max_tokens=2)
+
+
+class TestStockReplica:
+    """One stock vLLM replica (no patch): routed through the `/metrics` fallback."""
+
+    def test_stock_replica_served_via_metrics_fallback(
+        self, stock_gateway: str, stock_replica: str
+    ) -> None:
+        gateway, stock = stock_gateway, stock_replica
+        assert httpx.get(f"{stock}/stats", timeout=5.0).status_code == 404
+        with openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0) as client:
+            before = _prompt_tokens_total(gateway)
+            resp = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hello stock"}],
+                max_tokens=MAX_TOKENS,
+                extra_body=IGNORE_EOS,
+            )
+        assert resp.usage is not None
+        assert _prompt_tokens_total(gateway) - before == resp.usage.prompt_tokens
+        samples = scrape_metrics(gateway)
+        assert metric(samples, "sal_backend_stats_source", backend=stock, source="metrics") == 1.0
+        assert metric(samples, "sal_backend_healthy", backend=stock) == 1.0

@@ -1,0 +1,244 @@
+"""Fault handling over real sockets: dead backends, hanging /stats, 5xx, disconnects, broken
+streams, stock-vLLM fallback, DNS discovery, and a long tokenization next to small requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from sal_gateway.testing import FakeBackend, ServedBackend
+from tests.gw_fake_support import MODEL, gateway_rig, metric, wait_until
+
+
+def _complete(url: str, **body: object) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=30.0,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
+    )
+
+
+def _answered_by(resp: httpx.Response) -> str:
+    return str(resp.json()["backend"])
+
+
+def test_killed_backend_is_ejected_and_readmitted_when_it_returns() -> None:
+    with gateway_rig(2, routing={"policy": "round_robin"}) as rig:
+        a_served, _b_served = rig.served
+        assert {_answered_by(_complete(rig.url)) for _ in range(4)} == {"a", "b"}
+        a_served.stop()
+        # Every request keeps succeeding on b, before and after a is noticed as dead.
+        for _ in range(10):
+            resp = _complete(rig.url)
+            assert resp.status_code == 200
+            assert _answered_by(resp) == "b"
+        wait_until(
+            lambda: (
+                metric(rig.metrics(), "sal_backend_ejections_total", backend=a_served.url) == 1.0
+            )
+        )
+        assert metric(rig.metrics(), "sal_backend_healthy", backend=a_served.url) == 0.0
+        a_served.start()  # same port
+        wait_until(
+            lambda: metric(rig.metrics(), "sal_backend_healthy", backend=a_served.url) == 1.0
+        )
+        assert "a" in {_answered_by(_complete(rig.url)) for _ in range(4)}
+
+
+def test_connect_failure_before_first_byte_is_retried_on_the_other_backend() -> None:
+    with gateway_rig(
+        2, routing={"policy": "round_robin", "poll_interval_s": 5.0, "stale_after_s": 30.0}
+    ) as rig:
+        a_served = rig.served[0]
+        a_served.stop()  # the pollers will not notice for seconds: the proxy must
+        answers = [_complete(rig.url) for _ in range(4)]
+        assert all(r.status_code == 200 and _answered_by(r) == "b" for r in answers)
+        assert metric(rig.metrics(), "sal_retries_total", backend=a_served.url) == 1.0
+
+
+def test_hanging_stats_makes_backend_stale_and_not_chosen() -> None:
+    with gateway_rig(2, routing={"policy": "round_robin"}) as rig:
+        a, _b = rig.fakes
+        a.behaviour.stats_hang = True
+        a_url = rig.served[0].url
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_healthy", backend=a_url) == 0.0)
+        before = a.generation_requests
+        assert {_answered_by(_complete(rig.url)) for _ in range(6)} == {"b"}
+        assert a.generation_requests == before
+        age = metric(rig.metrics(), "sal_backend_state_age_seconds", backend=a_url)
+        assert age is not None
+        assert age > 0.6
+        a.behaviour.stats_hang = False
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_healthy", backend=a_url) == 1.0)
+
+
+def test_all_backends_gone_gives_503_and_not_ready() -> None:
+    with gateway_rig(1) as rig:
+        rig.fakes[0].behaviour.stats_hang = True
+        wait_until(lambda: httpx.get(f"{rig.url}/ready").status_code == 503)
+        resp = _complete(rig.url)
+        assert resp.status_code == 503
+        assert resp.json()["error"]["type"] == "service_unavailable"
+        assert metric(rig.metrics(), "sal_requests_total", backend="none", status="503") == 1.0
+
+
+def test_backend_500_is_passed_through_not_retried() -> None:
+    with gateway_rig(2) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.fail_status = 500
+        resp = _complete(rig.url)
+        assert resp.status_code == 500
+        assert resp.json()["error"]["message"] == "fake failure"
+        assert sum(f.generation_requests for f in rig.fakes) == 1
+
+
+def test_backend_4xx_is_passed_through_with_body() -> None:
+    with gateway_rig(1) as rig:
+        rig.fakes[0].behaviour.fail_status = 422
+        resp = _complete(rig.url, stream=True)
+        assert resp.status_code == 422
+        assert resp.json() == {"error": {"message": "fake failure", "code": 422}}
+
+
+def test_client_disconnect_cancels_the_upstream_request() -> None:
+    with gateway_rig(1) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.chunk_delay_s = 0.2
+        with httpx.stream(
+            "POST",
+            f"{rig.url}/v1/completions",
+            timeout=30.0,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 1000, "stream": True},
+        ) as resp:
+            first = next(resp.iter_bytes())
+            assert first.startswith(b"data: ")
+        wait_until(lambda: fake.disconnects == 1)
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight") == 0.0)
+
+
+def test_client_disconnect_while_backend_hangs_before_first_byte() -> None:
+    with gateway_rig(1, proxy={"first_byte_timeout_s": 1.0}) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.hang = True
+        resp = _complete(rig.url, stream=True)
+        assert resp.status_code == 504  # first-byte timeout: not retried
+        assert fake.generation_requests == 1
+        wait_until(lambda: fake.disconnects == 1)  # the hung upstream request was abandoned
+
+
+def test_mid_stream_failure_ends_with_error_event_and_no_duplicate() -> None:
+    with gateway_rig(2) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.close_after_chunks = 2
+        with httpx.stream(
+            "POST",
+            f"{rig.url}/v1/completions",
+            timeout=30.0,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 10, "stream": True},
+        ) as resp:
+            assert resp.status_code == 200
+            body = resp.read()
+        events = [e for e in body.split(b"\n\n") if e]
+        assert len(events) == 4  # two chunks, the error event, [DONE]
+        assert json.loads(events[2][len(b"data: ") :])["error"]["type"] == "upstream_error"
+        assert events[3] == b"data: [DONE]"
+        assert sum(f.generation_requests for f in rig.fakes) == 1
+        assert metric(rig.metrics(), "sal_stream_errors_total") == 1.0
+
+
+def test_mid_stream_failure_raises_in_the_openai_sdk() -> None:
+    with gateway_rig(1) as rig:
+        rig.fakes[0].behaviour.close_after_chunks = 1
+        with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="x", max_retries=0) as client:
+            stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True)
+            with pytest.raises(openai.APIError, match="mid-stream"):
+                list(stream)
+        assert rig.fakes[0].generation_requests == 1
+
+
+def test_stock_vllm_without_stats_uses_metrics_fallback() -> None:
+    with gateway_rig(2, routing={"policy": "sal"}) as rig:
+        a, b = rig.fakes
+        a.behaviour.stats_status = 404
+        b.behaviour.stats_status = 404
+        a.metrics_kv_usage = 1.0  # a is full: SAL must prefer b
+        a_url, b_url = (s.url for s in rig.served)
+        wait_until(
+            lambda: (
+                metric(rig.metrics(), "sal_backend_stats_source", backend=a_url, source="metrics")
+                == 1.0
+            )
+        )
+        text = rig.metrics()
+        assert metric(text, "sal_backend_stats_source", backend=b_url, source="metrics") == 1.0
+        assert metric(text, "sal_backend_free_kv_tokens", backend=a_url) == 0.0
+        assert {_answered_by(_complete(rig.url)) for _ in range(4)} == {"b"}
+
+
+def test_dns_discovery_adds_and_removes_backends_live() -> None:
+    extra = ServedBackend(FakeBackend(name="x", model=MODEL))
+    extra.start()
+    addresses: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        assert host == "fake.svc"
+        return list(addresses)
+
+    try:
+        discovery = {"dns_name": "fake.svc", "port": extra.port, "interval_s": 0.05}
+        with gateway_rig(1, resolve=resolve, discovery=discovery) as rig:
+            x_url = f"http://127.0.0.1:{extra.port}"
+            table = rig.runtime.table
+            addresses.append("127.0.0.1")
+            wait_until(lambda: table.get(MODEL, x_url) is not None)
+            wait_until(lambda: metric(rig.metrics(), "sal_backend_healthy", backend=x_url) == 1.0)
+            assert extra.backend.stats_polls > 0
+            addresses.clear()
+            wait_until(lambda: table.get(MODEL, x_url) is None)
+            polls = extra.backend.stats_polls
+            assert [b.url for b in table.backends(MODEL)] == [rig.served[0].url]
+            assert {_answered_by(_complete(rig.url)) for _ in range(3)} == {"a"}
+            assert extra.backend.stats_polls <= polls + 1  # its poller was stopped
+    finally:
+        extra.stop()
+
+
+def test_long_tokenization_does_not_stall_small_requests(tiny_model_dir: Path) -> None:
+    with gateway_rig(
+        1, tokenizer=tiny_model_dir, max_model_len=4096, proxy={"tokenize_in_thread_chars": 10_000}
+    ) as rig:
+        huge = json.dumps(
+            {"model": MODEL, "prompt": "hello world token " * 150_000, "max_tokens": 1}
+        ).encode()
+        order: list[str] = []
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=120.0) as client:
+
+                async def big() -> None:
+                    resp = await client.post(f"{rig.url}/v1/completions", content=huge)
+                    assert resp.status_code == 400  # far over 4096 tokens, after counting
+                    order.append("big")
+
+                async def small(i: int) -> None:
+                    await asyncio.sleep(0.05)  # let the big one reach the tokenizer first
+                    resp = await client.post(
+                        f"{rig.url}/v1/completions",
+                        json={"model": MODEL, "prompt": f"hi {i}", "max_tokens": 1},
+                    )
+                    assert resp.status_code == 200
+                    order.append("small")
+
+                await asyncio.gather(big(), *(small(i) for i in range(5)))
+
+        runner = threading.Thread(target=asyncio.run, args=(main(),))
+        runner.start()
+        runner.join(120)
+        assert order[-1] == "big"
+        assert order.count("small") == 5

@@ -1,0 +1,166 @@
+"""Config loading: the example config, validation naming the key path, env overrides, CLI."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from sal_gateway import __version__, cli
+from sal_gateway.config import ConfigError, build_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = """
+models:
+  - name: tiny
+    backends: ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+routing:
+  policy: sal
+  poll_interval_s: 0.1
+listen: {host: 127.0.0.1, port: 8080}
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_config_in_repo_loads() -> None:
+    config = load_config(REPO / "config.yaml", environ={})
+    assert [m.name for m in config.models] == ["tiny"]
+    assert config.models[0].backends == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert config.routing.policy == "sal"
+    assert config.routing.poll_interval_s == 0.1
+    assert config.proxy.max_body_bytes == 10485760
+
+
+def test_minimal_shape_from_issue_gets_defaults(tmp_path: Path) -> None:
+    config = load_config(_write(tmp_path, MINIMAL), environ={})
+    assert config.listen.port == 8080
+    assert config.routing.stale_after_s == 1.0
+    assert config.routing.eject_after_failures == 3
+    assert config.models[0].tokenizer is None
+    assert config.model("tiny") is config.models[0]
+    assert config.model("other") is None
+
+
+@pytest.mark.parametrize(
+    ("patch", "path_in_message"),
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"routing": {"polcy": "sal"}}, "routing.polcy"),
+        ({"proxy": {"timeout": 1}}, "proxy.timeout"),
+        ({"listen": {"hots": "x"}}, "listen.hots"),
+        (
+            {"models": [{"name": "m", "backends": ["http://a:1"], "tokeniser": "x"}]},
+            "models[0].tokeniser",
+        ),
+        (
+            {"models": [{"name": "m", "discovery": {"dns_name": "x", "ttl": 3}}]},
+            "models[0].discovery.ttl",
+        ),
+    ],
+)
+def test_unknown_keys_are_rejected_naming_the_path(
+    patch: dict[str, object], path_in_message: str
+) -> None:
+    data: dict[str, object] = {"models": [{"name": "m", "backends": ["http://a:1"]}]}
+    data.update(patch)
+    with pytest.raises(ConfigError, match=re.escape(path_in_message) + ": unknown key"):
+        build_config(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"models": []}, "models: expected a non-empty list"),
+        ({"models": [{"backends": ["http://a:1"]}]}, r"models\[0\].name: required"),
+        ({"models": [{"name": "m"}]}, "needs `backends` or `discovery`"),
+        ({"models": [{"name": "m", "backends": ["ftp://a"]}]}, r"backends\[0\]"),
+        ({"models": [{"name": "m", "backends": "http://a:1"}]}, "expected a list"),
+        ({"models": [{"name": "m", "backends": ["http://a:1", "http://a:1"]}]}, "duplicate"),
+        ({"models": [{"name": "m", "backends": ["http://a:1"]}] * 2}, "configured twice"),
+        (
+            {"models": [{"name": "m", "backends": ["http://a:1"], "max_model_len": "4k"}]},
+            "max_model_len: expected an integer",
+        ),
+        ({"routing": {"policy": "fastest"}}, "unknown policy 'fastest'"),
+        ({"routing": {"poll_interval_s": 0}}, "poll_interval_s: must be a positive"),
+        ({"routing": {"poll_timeout_s": "1s"}}, "poll_timeout_s: expected a number"),
+        ({"routing": {"eject_after_failures": 0}}, "eject_after_failures: must be >= 1"),
+        ({"routing": {"beta_seed": 0.5}}, "beta_seed: must be >= 1"),
+        ({"routing": {"max_retries": True}}, "max_retries: expected an integer"),
+        ({"listen": {"port": 70000}}, "listen.port"),
+        ({"log_level": "loud"}, "log_level"),
+    ],
+)
+def test_bad_values_are_rejected_with_a_clear_message(
+    data: dict[str, object], message: str
+) -> None:
+    full: dict[str, object] = {"models": [{"name": "m", "backends": ["http://a:1"]}]}
+    full.update(data)
+    with pytest.raises(ConfigError, match=message):
+        build_config(full)
+
+
+def test_env_overrides_nested_and_indexed_values(tmp_path: Path) -> None:
+    env = {
+        "SAL_GATEWAY__ROUTING__POLICY": "p2c",
+        "SAL_GATEWAY__ROUTING__SEED": "7",
+        "SAL_GATEWAY__LISTEN__PORT": "9000",
+        "SAL_GATEWAY__MODELS__0__MAX_MODEL_LEN": "2048",
+        "SAL_GATEWAY__PROXY__TOTAL_TIMEOUT_S": "30.5",
+        "UNRELATED": "x",
+    }
+    config = load_config(_write(tmp_path, MINIMAL), environ=env)
+    assert config.routing.policy == "p2c"
+    assert config.routing.seed == 7
+    assert config.listen.port == 9000
+    assert config.models[0].max_model_len == 2048
+    assert config.proxy.total_timeout_s == 30.5
+
+
+def test_env_override_with_unknown_key_or_bad_value_is_rejected(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"routing.polcy: unknown key"):
+        load_config(path, environ={"SAL_GATEWAY__ROUTING__POLCY": "p2c"})
+    with pytest.raises(ConfigError, match="unknown policy"):
+        load_config(path, environ={"SAL_GATEWAY__ROUTING__POLICY": "nope"})
+    with pytest.raises(ConfigError, match="no list item"):
+        load_config(path, environ={"SAL_GATEWAY__MODELS__3__NAME": "x"})
+
+
+def test_unreadable_or_invalid_yaml_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(_write(tmp_path, "models: [\n"), environ={})
+
+
+def test_cli_bad_config_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, MINIMAL + "extra_key: 1\n")
+    assert cli.main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "extra_key: unknown key" in err
+
+
+def test_cli_missing_tokenizer_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = MINIMAL.replace("- name: tiny", f"- name: tiny\n    tokenizer: {tmp_path / 'nope'}")
+    assert cli.main(["serve", "--config", str(_write(tmp_path, text))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "cannot load tokenizer" in err
+
+
+def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert __version__ in capsys.readouterr().out

@@ -1,0 +1,65 @@
+"""Stock vLLM /metrics fallback parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from sal_gateway.testing import FakeBackend
+from sal_gateway.vllm_metrics import MetricsParseError, parse_vllm_metrics
+
+# Shaped like vLLM 0.32 with two data-parallel engines (counters and histograms included, which
+# the parser must skip).
+TWO_ENGINES = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 5.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 12.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="200"} 1.0
+"""
+
+
+def test_sums_engines_and_derives_free_kv_tokens() -> None:
+    stats = parse_vllm_metrics(TWO_ENGINES, "tiny", 123.0)
+    assert stats.num_running == 4
+    assert stats.num_waiting == 5
+    assert stats.kv_blocks_total == 1200
+    assert stats.kv_blocks_free == 750 + 100
+    assert stats.free_kv_tokens == (750 + 100) * 16
+    assert stats.queued_prefill_tokens == 0  # not exposed by vLLM; the state table fills it
+    assert stats.time == 123.0
+
+
+def test_fake_backend_metrics_round_trip() -> None:
+    fake = FakeBackend(
+        metrics_waiting=2,
+        metrics_running=7,
+        metrics_kv_usage=0.9,
+        metrics_num_gpu_blocks=100,
+        metrics_block_size=32,
+    )
+    stats = parse_vllm_metrics(fake.metrics_text(), "tiny", 0.0)
+    assert (stats.num_waiting, stats.num_running) == (2, 7)
+    assert stats.free_kv_tokens == 10 * 32
+
+
+@pytest.mark.parametrize(
+    "missing", ["vllm:kv_cache_usage_perc", "vllm:cache_config_info", "vllm:num_requests_waiting"]
+)
+def test_missing_series_is_an_error_naming_it(missing: str) -> None:
+    text = "\n".join(line for line in TWO_ENGINES.splitlines() if missing not in line) + "\n"
+    with pytest.raises(MetricsParseError, match=missing):
+        parse_vllm_metrics(text, "tiny", 0.0)
