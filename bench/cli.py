@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench import experiments, simulate_cmd
+from bench import experiments, real_path, simulate_cmd
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command("simulate", simulate_cmd.HELP, simulate_cmd.configure, simulate_cmd.run),
     Command("experiments", experiments.HELP, experiments.configure, experiments.run),
+    Command("real-path", real_path.HELP, real_path.configure, real_path.run),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 

@@ -66,6 +66,7 @@ def base_load(workload: str, profile: str) -> float:
     """The trace load factor of 1x for one replica of `profile` serving `workload`."""
     return BASE_LOAD[(LENGTHS[workload], profile)]
 
+
 SINGLE_SCHEDULERS: tuple[tuple[str, str, float], ...] = (
     ("fcfs", "fcfs", 1.0),
     ("larry a=1", "larry", 1.0),
@@ -101,10 +102,10 @@ class Plan:
 
 
 FULL = Plan(
-    single_window_s=1200.0,
+    single_window_s=600.0,
     single_loads=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0),
     single_workloads=WORKLOADS,
-    fleet_window_s=600.0,
+    fleet_window_s=300.0,
     fleet_loads=(1.0, 2.0),
     fleet_workloads=("chat", "chat-bursty"),
     fleets=FLEETS,
@@ -170,6 +171,7 @@ def _run_one(
     scheduler: str,
     alpha: float,
     seed: int,
+    policy: Any = None,
 ) -> tuple[dict[str, Any], float]:
     from engine_sim.simulator import RouterConfig, simulate
 
@@ -181,6 +183,7 @@ def _run_one(
         profile=profile,
         alpha=alpha,
         router=RouterConfig(policy=router, seed=seed),
+        policy=policy,
     )
     return result.summary.to_dict(), time.perf_counter() - started
 
@@ -296,6 +299,46 @@ def run_fleets(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], None]
     return rows
 
 
+def run_ablation(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], None]) -> list[Row]:
+    """What-if: SAL with ties broken by fewest in-flight requests (`bench.ablations`), LARRY."""
+    from bench.ablations import SalFewestInFlightTies
+
+    rows: list[Row] = []
+    for profile, replicas in plan.fleets:
+        for workload in plan.fleet_workloads:
+            for load_x in plan.fleet_loads:
+                factor = base_load(workload, profile) * replicas * load_x
+                reqs = _load(workload, data_dir, plan.fleet_window_s, factor, seed)
+                summary, wall_s = _run_one(
+                    reqs,
+                    profile=profile,
+                    replicas=replicas,
+                    router="sal",
+                    scheduler="larry",
+                    alpha=1.0,
+                    seed=seed,
+                    policy=SalFewestInFlightTies(seed),
+                )
+                log(
+                    f"(what-if) {replicas}x{profile} {workload} {load_x:g}x larry "
+                    f"sal_inflight_ties: p50 TGT {summary['tgt_p50_s']:.3f}s ({wall_s:.1f}s)"
+                )
+                rows.append(
+                    {
+                        "experiment": "ablation",
+                        "workload": workload,
+                        "profile": profile,
+                        "replicas": replicas,
+                        "router": SalFewestInFlightTies.name,
+                        "scheduler": "larry",
+                        "load_x": load_x,
+                        "trace_load_factor": factor,
+                        **summary,
+                    }
+                )
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.report import write_report
 
@@ -315,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     rows = run_single(plan, args.data_dir, args.seed, _log)
     rows += run_fleets(plan, args.data_dir, args.seed, _log)
+    rows += run_ablation(plan, args.data_dir, args.seed, _log)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "quick": bool(args.quick),

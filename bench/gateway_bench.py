@@ -29,6 +29,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
@@ -40,7 +41,7 @@ import yaml
 from bench.decision_timing import time_all_policies
 from bench.gateway_report import print_report
 from bench.loadgen import LoadResult
-from bench.processes import PortAllocator, server_process
+from bench.processes import PortAllocator, server_process, wait_http_ok
 from bench.proxy_stacks import STACKS
 from bench.tables import percentile
 from bench.tokenize_timing import time_tokenization
@@ -165,6 +166,16 @@ def running_servers(work: Path, model_dir: Path, with_stacks: bool) -> Iterator[
         yield Endpoints(backend=backend, paced_backend=paced, gateway=gateway, stacks=stacks)
 
 
+def settle(gateway: str) -> None:
+    """Wait until the gateway is ready again before the next cell.
+
+    A saturating cell starves the gateway's pollers on a 2-core machine; backends whose state
+    went stale are not eligible (503) until the next good poll, which would otherwise charge
+    one cell's overload to the next.
+    """
+    wait_http_ok(f"{gateway}/ready", timeout_s=30.0)
+
+
 def _ms(values: list[float], q: float) -> float:
     return percentile(values, q) * 1e3
 
@@ -192,6 +203,7 @@ def bench_added_latency(
     """Direct vs through-gateway SSE latency per concurrency (one row per concurrency)."""
     rows = []
     for c in CONCURRENCIES:
+        settle(gateway_base)
         results = [
             run_loadgen(
                 f"{base}/v1/completions",
@@ -209,6 +221,7 @@ def bench_added_latency(
 
 def bench_throughput(ep: Endpoints, sizing: Sizing, concurrency: int = 50) -> dict[str, Any]:
     """Non-streaming requests/s, direct and through the gateway, at ``concurrency``."""
+    settle(ep.gateway)
     direct, via = (
         run_loadgen(
             f"{base}/v1/completions",
@@ -235,6 +248,7 @@ def bench_stacks(ep: Endpoints, sizing: Sizing, concurrency: int = 200) -> list[
     targets = {"backend (direct)": ep.backend, **ep.stacks, "sal-gateway": ep.gateway}
     rows = []
     for name, base in targets.items():
+        settle(ep.gateway)
         result = run_loadgen(
             f"{base}/v1/completions", model=FAST_MODEL, concurrency=concurrency, stream=True,
             duration_s=sizing.duration_s, max_requests=sizing.max_requests,
@@ -251,31 +265,49 @@ def bench_stacks(ep: Endpoints, sizing: Sizing, concurrency: int = 200) -> list[
     return rows
 
 
+class _Progress:
+    """One line per finished step on stderr, with the elapsed time (tables go to stdout)."""
+
+    def __init__(self) -> None:
+        self._start_s = time.monotonic()
+
+    def step(self, what: str) -> None:
+        print(f"[{time.monotonic() - self._start_s:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def run_all(sizing: Sizing, with_stacks: bool) -> dict[str, Any]:
     """Run every section once and return the raw report (what ``--json`` writes)."""
     from engine_patch import tiny_model
 
+    progress = _Progress()
     report: dict[str, Any] = {"sizing": asdict(sizing)}
     with tempfile.TemporaryDirectory(prefix="sal-bench-") as tmp:
         work = Path(tmp)
         # 16k context so that the 10k-token tokenization input is a valid prompt.
         model_dir = tiny_model.build(work / "tiny-llama", max_model_len=16384)
         with running_servers(work, model_dir, with_stacks) as ep:
+            progress.step("servers up")
             report["added_latency"] = bench_added_latency(
                 ep.backend, ep.gateway, FAST_MODEL, sizing.duration_s, sizing
             )
+            progress.step("added latency, saturating")
             report["paced_latency"] = bench_added_latency(
                 ep.paced_backend, ep.gateway, PACED_MODEL, sizing.paced_duration_s, sizing
             )
             report["paced_profile"] = {
                 "first_byte_s": PACED_FIRST_BYTE_S, "chunk_s": PACED_CHUNK_S, "tokens": 8
             }  # fmt: skip
+            progress.step("added latency, paced")
             report["throughput"] = bench_throughput(ep, sizing)
+            progress.step("throughput")
             report["stacks"] = bench_stacks(ep, sizing) if ep.stacks else []
+            progress.step("client stacks")
         report["decisions"] = [asdict(r) for r in time_all_policies(64, sizing.decision_calls)]
+        progress.step("routing decisions")
         report["tokenization"] = [
             asdict(r) for r in time_tokenization(model_dir, sizing.tokenize_reps)
         ]
+        progress.step("tokenization")
     return report
 
 

@@ -108,9 +108,14 @@ async def run_load(
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         # Warm-up: one request per worker opens every connection before measuring.
-        await asyncio.gather(
-            *(_one_request(session, url, body, stream) for _ in range(concurrency))
+        warm = await asyncio.gather(
+            *(_one_request(session, url, body, stream) for _ in range(concurrency)),
+            return_exceptions=True,
         )
+        for outcome in warm:
+            if isinstance(outcome, BaseException):
+                result.errors += 1
+                result.error_sample = result.error_sample or f"warm-up: {outcome!r}"
         deadline = time.perf_counter() + duration_s
 
         async def worker() -> None:

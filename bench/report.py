@@ -162,10 +162,46 @@ def _sal_claims(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def _ablation_table(fleet: Sequence[Row], ablation: Sequence[Row]) -> list[str]:
+    """The what-if SAL variant next to SAL and the best baseline, LARRY engines."""
+    if not ablation:
+        return []
+    out = [
+        "### What-if: SAL with ties broken by fewest in-flight requests (LARRY engines)\n",
+        "Not a product policy (`bench/ablations.py`): the product's SAL breaks ties by "
+        "position, so while queues are empty it sends work to the first replicas. TGT in s.\n",
+        "| fleet | workload | load | SAL p50 / p95 TGT | what-if p50 / p95 TGT | "
+        "best other p50 / p95 TGT | SAL p50 TTFT | what-if p50 TTFT |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a in ablation:
+        same = [
+            r
+            for r in fleet
+            if (r["profile"], r["workload"], r["load_x"], r["scheduler"])
+            == (a["profile"], a["workload"], a["load_x"], "larry")
+        ]
+        sal = [r for r in same if r["router"] == "sal"]
+        others = [r for r in same if r["router"] != "sal"]
+        if not sal or not others:
+            continue
+        best = min(others, key=lambda r: r["tgt_p50_s"])
+        out.append(
+            f"| {a['replicas']}x{a['profile']} | {a['workload']} | {a['load_x']:g}x | "
+            f"{_fmt(sal[0]['tgt_p50_s'])} / {_fmt(sal[0]['tgt_p95_s'])} | "
+            f"{_fmt(a['tgt_p50_s'])} / {_fmt(a['tgt_p95_s'])} | "
+            f"{_fmt(best['tgt_p50_s'])} / {_fmt(best['tgt_p95_s'])} ({best['router']}) | "
+            f"{_fmt(sal[0]['ttft_p50_s'])} | {_fmt(a['ttft_p50_s'])} |"
+        )
+    out.append("")
+    return out
+
+
 def write_report(rows: Sequence[Row], meta: dict[str, Any], out_dir: Path) -> None:
     """Write ``results.md`` and the PNGs into `out_dir` (which exists)."""
     single = [r for r in rows if r["experiment"] == "single"]
     fleet = [r for r in rows if r["experiment"] == "fleet"]
+    ablation = [r for r in rows if r["experiment"] == "ablation"]
     for workload in dict.fromkeys(r["workload"] for r in single):
         wrows = [r for r in single if r["workload"] == workload]
         plot_load_sweep(
@@ -197,6 +233,7 @@ def write_report(rows: Sequence[Row], meta: dict[str, Any], out_dir: Path) -> No
         "## Claims\n",
         *_larry_claims(single),
         *_sal_claims(fleet),
+        *_ablation_table(fleet, ablation),
         "## (a) One replica: engine schedulers\n",
         *_single_tables(single),
         "## (b) Fleets: routers x engine schedulers\n",

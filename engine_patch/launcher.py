@@ -191,8 +191,9 @@ def run_vllm_serve(vllm_args: Sequence[str]) -> None:
 
     # vLLM and its subprocesses look at sys.argv in places; make it what `vllm serve` sees.
     sys.argv = ["vllm", "serve", *vllm_args]
-    cli_env_setup()
-    parser = FlexibleArgumentParser(description="vLLM (via sal-engine)")
+    # vLLM leaves these two untyped.
+    cli_env_setup()  # type: ignore[no-untyped-call]
+    parser = FlexibleArgumentParser(description="vLLM (via sal-engine)")  # type: ignore[no-untyped-call]
     subparsers = parser.add_subparsers(dest="subparser", required=True)
     command = ServeSubcommand()
     command.subparser_init(subparsers)

@@ -228,21 +228,21 @@ class _LarryMixin(_SalSchedulerMixin):
         queue.extend(ordered)
 
 
-class LarryScheduler(_LarryMixin, Scheduler):  # type: ignore[misc]
+class LarryScheduler(_LarryMixin, Scheduler):
     """LARRY for vLLM's synchronous scheduling (CPU, ``--no-async-scheduling``)."""
 
 
-class LarryAsyncScheduler(_LarryMixin, AsyncScheduler):  # type: ignore[misc]
+class LarryAsyncScheduler(_LarryMixin, AsyncScheduler):
     """LARRY for vLLM's async scheduling (the GPU default)."""
 
     sal_async: ClassVar[bool] = True
 
 
-class FcfsScheduler(_SalSchedulerMixin, Scheduler):  # type: ignore[misc]
+class FcfsScheduler(_SalSchedulerMixin, Scheduler):
     """vLLM's own FCFS order, plus the `/stats` snapshot (synchronous scheduling)."""
 
 
-class FcfsAsyncScheduler(_SalSchedulerMixin, AsyncScheduler):  # type: ignore[misc]
+class FcfsAsyncScheduler(_SalSchedulerMixin, AsyncScheduler):
     """vLLM's own FCFS order, plus the `/stats` snapshot (async scheduling)."""
 
     sal_async: ClassVar[bool] = True

@@ -26,6 +26,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +39,10 @@ _SEQ_OFFSET = 8
 _MODEL_NAME_BYTES = 256
 _RECORD = struct.Struct(f"<dqdB7x10qH{_MODEL_NAME_BYTES}s")
 FILE_SIZE_BYTES = 4096
-READ_ATTEMPTS = 1000
+SPIN_ATTEMPTS = 100
+"""Busy retries before a reader starts sleeping between attempts (a write takes ~µs)."""
+SPIN_SLEEP_S = 0.0001
+READ_TIMEOUT_S = 0.5
 
 _SCHEDULER_CODES = {"fcfs": 0, "larry": 1}
 _SCHEDULER_NAMES = {code: name for name, code in _SCHEDULER_CODES.items()}
@@ -219,15 +223,23 @@ class SnapshotReader:
     def read(self) -> SnapshotRecord | None:
         """The latest complete record, or None if the engine has not published one yet."""
         mm = self._mapping()
-        for _ in range(READ_ATTEMPTS):
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        attempt = 0
+        while True:
             (seq_before,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
-            if seq_before % 2:
-                continue
-            data = mm[_HEADER.size : _HEADER.size + _RECORD.size]
-            (seq_after,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
-            if seq_before == seq_after:
-                return None if seq_before == 0 else decode_record(data)
-        raise SnapshotError(f"{self.path} kept changing during {READ_ATTEMPTS} read attempts")
+            if not seq_before % 2:
+                data = mm[_HEADER.size : _HEADER.size + _RECORD.size]
+                (seq_after,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
+                if seq_before == seq_after:
+                    return None if seq_before == 0 else decode_record(data)
+            attempt += 1
+            if attempt > SPIN_ATTEMPTS:
+                # The writer was descheduled mid-write (busy machine): let it run.
+                if time.monotonic() > deadline:
+                    raise SnapshotError(
+                        f"{self.path} kept changing for {READ_TIMEOUT_S * 1000:.0f} ms"
+                    )
+                time.sleep(SPIN_SLEEP_S)
 
     def close(self) -> None:
         """Unmap the file (reopened on the next `read`)."""

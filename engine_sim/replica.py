@@ -13,11 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 
 from engine_sim.engine import EngineModel, SimRequest
 from sal_gateway.stats import ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # A dead stepping task would leave every request hanging: make it loud.
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine stepping task crashed", exc_info=task.exception())
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +77,7 @@ class ReplicaRuntime:
         """Start the stepping task (call once, inside the running loop)."""
         if self._task is None:
             self._task = asyncio.create_task(self._drive(), name="engine-sim-replica")
+            self._task.add_done_callback(_log_crash)
 
     async def stop(self) -> None:
         """Cancel the stepping task and wait for it."""

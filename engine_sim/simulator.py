@@ -172,14 +172,16 @@ class Simulation:
         router: RouterConfig | None = None,
         *,
         max_sim_s: float | None = None,
+        policy: Policy | None = None,
     ) -> None:
+        """`policy` overrides the policy named in `router` (for what-if studies only)."""
         if not engines:
             raise SimulationError("need at least one replica")
         self._requests = sorted(requests, key=lambda r: r.arrival_s)
         self._engines = list(engines)
         self._submit = submit
         self._router_cfg = router or RouterConfig()
-        self._policy: Policy = make_policy(self._router_cfg.policy, self._router_cfg.seed)
+        self._policy: Policy = policy or make_policy(self._router_cfg.policy, self._router_cfg.seed)
         self._beta = BetaEstimator(seed=self._router_cfg.beta_seed)
         self._max_sim_s = math.inf if max_sim_s is None else max_sim_s
         self._urls = [f"sim://replica-{i}" for i in range(len(engines))]
@@ -368,6 +370,7 @@ def simulate(
     max_num_batched_tokens: int = 2048,
     progress: ProgressCallback | None = None,
     max_sim_s: float | None = None,
+    policy: Policy | None = None,
 ) -> SimResult:
     """Replay `requests` through `replicas` `EngineModel`s of one cost profile.
 
@@ -386,5 +389,7 @@ def simulate(
         model_name=profile,
     )
     engines = [EngineModel(config, cost) for _ in range(replicas)]
-    sim = Simulation(requests, engines, submit_to_engine_model, router, max_sim_s=max_sim_s)
+    sim = Simulation(
+        requests, engines, submit_to_engine_model, router, max_sim_s=max_sim_s, policy=policy
+    )
     return sim.run(progress)

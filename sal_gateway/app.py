@@ -13,9 +13,10 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from sal_gateway.config import GatewayConfig, ModelConfig
 from sal_gateway.errors import BadRequest, BodyTooLarge, GatewayError, ModelNotFound, error_body
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.policies import make_policy
-from sal_gateway.poller import Poller
+from sal_gateway.poller import Poller, make_poll_session
 from sal_gateway.proxy import Forwarder, make_session, upstream_headers
 from sal_gateway.request_body import Endpoint, parse_body
 from sal_gateway.state import StateTable
@@ -48,6 +49,7 @@ class Runtime:
     betas: dict[str, BetaEstimator]
     counters: dict[str, PromptCounter]
     session: aiohttp.ClientSession
+    poll_session: aiohttp.ClientSession
     poller: Poller
     forwarder: Forwarder
     executor: ThreadPoolExecutor
@@ -63,6 +65,7 @@ class Runtime:
                 await task
         await self.poller.stop_all()
         await self.session.close()
+        await self.poll_session.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def on_discovered(self, model: ModelConfig, urls: list[str]) -> None:
@@ -99,7 +102,10 @@ async def build_runtime(
     metrics = GatewayMetrics(__version__)
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
     session = make_session(config.proxy)
-    poller = Poller(session, table, metrics, routing, clock)
+    # Polls get their own small pool so they never queue behind proxied streams (a poll stuck
+    # waiting for a pooled connection would time out and eject a busy but healthy backend).
+    poll_session = make_poll_session()
+    poller = Poller(poll_session, table, metrics, routing, clock)
     forwarder = Forwarder(
         session=session,
         table=table,
@@ -117,6 +123,7 @@ async def build_runtime(
         betas=betas,
         counters=dict(counters),
         session=session,
+        poll_session=poll_session,
         poller=poller,
         forwarder=forwarder,
         executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="sal-tokenize"),
@@ -173,6 +180,33 @@ def _error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status)
 
 
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run `work`, cancelling it if the client disconnects before it returns a response
+    (so a waiting or non-streaming upstream request is abandoned, and its connection closed).
+    Once a streaming response is returned, Starlette's own disconnect watch takes over."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself is cancelled (shutdown): take the work along
+        work_task.cancel()
+        raise
+    finally:
+        watch_task.cancel()
+    if not work_task.done():
+        work_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work_task
+        return Response(status_code=499)  # nobody is listening any more
+    return work_task.result()
+
+
 async def _generate(request: Request, endpoint: Endpoint) -> Response:
     rt: Runtime = request.app.state.runtime
     model_label = "unknown"  # unconfigured names never become label values
@@ -188,9 +222,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
         if count.estimated:
             rt.metrics.prompt_tokens_estimated.labels(model=model_label).inc()
-        return await rt.forwarder.forward(
-            inbound, raw, upstream_headers(request.headers), count.total
-        )
+        forward = rt.forwarder.forward(inbound, raw, upstream_headers(request.headers), count.total)
+        return await _unless_disconnected(request, forward)
     except GatewayError as exc:
         if not exc.counted:
             rt.metrics.requests.labels(

@@ -72,7 +72,10 @@ _USAGE_TAIL_BYTES = 16384
 def make_session(proxy: ProxyConfig) -> aiohttp.ClientSession:
     """The app's one pooled upstream client (call inside a running loop, in the lifespan)."""
     connector = aiohttp.TCPConnector(
-        limit=proxy.max_connections, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=10
+        limit=proxy.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=4.0,  # below uvicorn's (and vLLM's) 5 s keep-alive: no reuse race
+        ttl_dns_cache=10,
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -247,8 +250,9 @@ class Forwarder:
                 StateTable.release(ticket)
                 exc.backend = url
                 raise
-            except BaseException:
+            except BaseException:  # cancelled: the client went away while we waited
                 StateTable.release(ticket)
+                self._metrics.requests.labels(model=model, backend=url, status="499").inc()
                 raise
             return await self._relay(ex, inbound, resp)
         raise UpstreamError(

@@ -168,6 +168,8 @@ def test_gateway_config_with_compose_overrides_discovers_the_replicas(
     expected_tokenizer = None if env["GATEWAY_TOKENIZER"] == "null" else env["GATEWAY_TOKENIZER"]
     assert model.tokenizer == expected_tokenizer
     assert config.routing.policy == env["ROUTING_POLICY"]
+    # The gateway refuses exactly the prompts the replicas would refuse.
+    assert model.max_model_len == int(env["MAX_MODEL_LEN"])
     assert config.listen == dataclasses.replace(config.listen, host="0.0.0.0", port=8080)
     assert gateway["ports"] == [f"{env['GATEWAY_BIND']}:{env['GATEWAY_PORT']}:8080"]
 
@@ -213,6 +215,7 @@ def test_cpu_profile_runs_without_gpus() -> None:
     args = emulator["command"]
     assert args[args.index("--base-port") + 1] == str(ENGINE_PORT)
     assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert args[args.index("--max-model-len") + 1] == read_env(CPU_ENV)["MAX_MODEL_LEN"]
     # The emulator runs from the gateway image: same image, built by the same build section.
     assert emulator["image"] == project["services"]["gateway"]["image"]
 

@@ -10,6 +10,7 @@ engine_patch.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shutil
 import subprocess
@@ -195,3 +196,55 @@ def test_image_entrypoints_are_console_scripts_of_the_package() -> None:
     scripts = _pyproject()["project"]["scripts"]  # type: ignore[index]
     assert scripts["sal-gateway"] == "sal_gateway.cli:main"
     assert scripts["sal-engine"] == "engine_patch.launcher:main"
+
+
+@pytest.mark.slow
+def test_the_installed_package_runs_what_the_images_run(tmp_path: Path) -> None:
+    """Build the wheel the images install (`pip install .` from the COPY'd sources) and run
+    the images' commands from it, not from this editable checkout: a module or data file left
+    out of the wheel would break the image, not the tests."""
+    context = tmp_path / "context"
+    context.mkdir()
+    _, stages = _parse(GATEWAY_DOCKERFILE)
+    for args in stages[0].all("COPY"):
+        for source in args.split()[:-1]:
+            for path in REPO.glob(source.rstrip("/")):
+                target = context / path.relative_to(REPO)
+                if path.is_dir():
+                    shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy2(path, target)
+    wheels = tmp_path / "wheels"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    build = subprocess.run(
+        [*pip_wheel, "--quiet", "-w", str(wheels), str(context)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = wheels.glob("sal_gateway-*.whl")
+    unpacked = tmp_path / "site"
+    shutil.unpack_archive(wheel, unpacked, format="zip")
+    # The unpacked wheel comes first on sys.path (and the working directory is not the
+    # checkout); dependencies come from this environment.
+    env = {**os.environ, "PYTHONPATH": str(unpacked)}
+    probe = (
+        "import sal_gateway, engine_sim.emulator, engine_patch.launcher, sal_gateway.app;"
+        "print(sal_gateway.__file__)"
+    )
+    for command, expected in [
+        ([sys.executable, "-c", probe], str(unpacked)),
+        ([sys.executable, "-m", "sal_gateway.cli", "--version"], "sal-gateway "),
+        ([sys.executable, "-m", "engine_sim.emulator", "--help"], "--base-port"),
+        ([sys.executable, "-m", "engine_patch.launcher", "--version"], "sal-engine "),
+    ]:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=120, check=False, env=env, cwd=tmp_path
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert expected in result.stdout
+    entry_points = next(unpacked.glob("*.dist-info/entry_points.txt")).read_text()
+    assert "sal-gateway = sal_gateway.cli:main" in entry_points
+    assert "sal-engine = engine_patch.launcher:main" in entry_points

@@ -108,6 +108,8 @@ def test_gateway_discovers_the_headless_service(
     # The model the gateway serves is the one the replicas serve.
     args = _container(statefulset)["args"]
     assert args[args.index("--served-model-name") + 1] == model.name
+    # The gateway refuses exactly the prompts the replicas would refuse.
+    assert args[args.index("--max-model-len") + 1] == str(model.max_model_len)
 
 
 @pytest.fixture

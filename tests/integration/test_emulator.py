@@ -166,3 +166,19 @@ async def test_prompt_counts_match_the_gateway_with_a_tokenizer(tiny_model_dir: 
     assert result.usage is not None
     assert result.usage.prompt_tokens == expected.total
     assert expected.estimated is False
+
+
+async def test_batched_prompts_on_a_gpu_profile_faster_than_real_time() -> None:
+    # The 8B/A100 profile at time_scale 0.05: a 2,000-token prefill (~0.17 s modelled)
+    # takes ~9 ms of wall time.
+    async with run_emulators(1, profile="llama3-8b-a100", time_scale=0.05) as (url,):
+        client = client_for(url)
+        result = await client.completions.create(
+            model="tiny", prompt=[[1] * 2000, [2] * 30], max_tokens=4
+        )
+        await client.close()
+    assert [c.index for c in result.choices] == [0, 1]
+    assert all(c.text.count("tok") == 4 for c in result.choices)
+    assert result.usage is not None
+    assert result.usage.prompt_tokens == 2030
+    assert result.usage.completion_tokens == 8

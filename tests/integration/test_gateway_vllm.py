@@ -44,7 +44,8 @@ def _start_replicas(model_dir: Path, schedulers: list[str], stack: ExitStack) ->
         ports.append(port)
         next_port = port + 1
     managers = [
-        run_replica(model_dir, port, scheduler=s) for port, s in zip(ports, schedulers, strict=True)
+        run_replica(model_dir, port, scheduler=s, extra_args=("--served-model-name", MODEL))
+        for port, s in zip(ports, schedulers, strict=True)
     ]
     with ThreadPoolExecutor(len(managers)) as pool:
         futures = [pool.submit(m.__enter__) for m in managers]
@@ -189,6 +190,41 @@ class TestPatchedPair:
         assert resp.usage is not None
         assert resp.choices[0].message.role == "assistant"
         assert _prompt_tokens_total(gateway) - before == resp.usage.prompt_tokens
+
+    @pytest.mark.parametrize(
+        ("endpoint", "options"),
+        [
+            pytest.param("completions", {"add_special_tokens": False}, id="no-bos"),
+            pytest.param("chat", {"add_generation_prompt": False}, id="no-generation-prompt"),
+            pytest.param("chat", {"add_special_tokens": True}, id="chat-with-special-tokens"),
+            pytest.param(
+                "chat",
+                {"add_generation_prompt": False, "continue_final_message": True},
+                id="continue-final-message",
+            ),
+        ],
+    )
+    def test_request_options_that_change_the_count(
+        self, client: openai.OpenAI, gateway: str, endpoint: str, options: dict[str, bool]
+    ) -> None:
+        before = _prompt_tokens_total(gateway)
+        extra = {**IGNORE_EOS, **options}
+        if endpoint == "completions":
+            usage = client.completions.create(
+                model=MODEL, prompt="hello world", max_tokens=MAX_TOKENS, extra_body=extra
+            ).usage
+        else:
+            usage = client.chat.completions.create(
+                model=MODEL,
+                messages=[
+                    {"role": "user", "content": "hello world"},
+                    {"role": "assistant", "content": "the cache"},
+                ],
+                max_tokens=MAX_TOKENS,
+                extra_body=extra,
+            ).usage
+        assert usage is not None
+        assert _prompt_tokens_total(gateway) - before == usage.prompt_tokens
 
     def test_streaming_completion(self, client: openai.OpenAI, gateway: str) -> None:
         before = _prompt_tokens_total(gateway)

@@ -132,10 +132,29 @@ def test_client_disconnect_while_backend_hangs_before_first_byte() -> None:
         wait_until(lambda: fake.disconnects == 1)  # the hung upstream request was abandoned
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_giving_up_before_first_byte_cancels_upstream(stream: bool) -> None:
+    with gateway_rig(1) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.hang = True
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{rig.url}/v1/completions",
+                json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream},
+                timeout=httpx.Timeout(5.0, read=0.5),
+            )
+        wait_until(lambda: fake.disconnects == 1)
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight") == 0.0)
+        assert metric(rig.metrics(), "sal_requests_total", status="499") == 1.0
+
+
 def test_mid_stream_failure_ends_with_error_event_and_no_duplicate() -> None:
     with gateway_rig(2) as rig:
         for fake in rig.fakes:
             fake.behaviour.close_after_chunks = 2
+            # Spaced chunks, as from a real engine: aiohttp drops bytes still buffered when a
+            # connection breaks, so back-to-back chunks could vanish with the crash.
+            fake.behaviour.chunk_delay_s = 0.1
         with httpx.stream(
             "POST",
             f"{rig.url}/v1/completions",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.ablations import SalFewestInFlightTies
 from engine_sim.cost_model import PROFILES, CostProfile, prefill_time_s
 from engine_sim.engine import EngineConfig, EngineModel, SimRequest, StepResult
 from engine_sim.simulator import (
@@ -164,3 +165,15 @@ def test_progress_is_reported_up_to_the_total() -> None:
     simulate(_workload(300, rate_per_s=5.0), replicas=2, progress=lambda d, t: calls.append((d, t)))
     assert calls[-1] == (300, 300)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_the_what_if_sal_variant_breaks_ties_by_in_flight_and_spreads_load() -> None:
+    # Sequential short requests that never overlap in prefill: SAL's loads tie at every
+    # decision, so the product SAL keeps choosing replica 0 while the variant spreads them
+    # by in-flight count.
+    reqs = [TraceRequest(0.5 * i, 100, 200) for i in range(8)]
+    product = simulate(reqs, replicas=4, router=RouterConfig("sal"))
+    variant = simulate(reqs, replicas=4, policy=SalFewestInFlightTies())
+    assert product.routed_per_replica[0] == 8
+    assert min(variant.routed_per_replica) >= 1
+    assert max(variant.routed_per_replica) <= 3

@@ -118,6 +118,7 @@ def test_experiments_write_tables_and_plots(
         single_workloads=("chat",),
         fleet_window_s=10.0,
         fleet_workloads=("chat-bursty",),
+        fleets=(("llama3-8b-a100", 8),),
         routers=("sal", "p2c", "random"),
     )
     monkeypatch.setattr(experiments, "QUICK", tiny)
@@ -132,7 +133,9 @@ def test_experiments_write_tables_and_plots(
     assert pngs == ["fleet_8xllama3-8b-a100_chat-bursty_1x.png", "single_chat.png"]
     assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert len(rows) == 2 * 6 + 3 * 3
+    # 2 loads x 6 schedulers, 3 engine schedulers x 3 routers, 1 what-if SAL variant.
+    assert len(rows) == 2 * 6 + 3 * 3 + 1
+    assert "What-if: SAL with ties broken" in report
 
 
 def test_experiments_need_the_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

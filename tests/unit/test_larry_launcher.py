@@ -1,0 +1,126 @@
+"""`sal-engine serve`: the vLLM command line it builds, its config merge, the version guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_patch import launcher
+from engine_patch.launcher import LaunchError, plan_launch
+from engine_patch.patch_config import PatchConfigError, larry_params, stats_prefix
+from engine_patch.versions import (
+    SUPPORTED_VLLM_VERSIONS,
+    UnsupportedVllmVersion,
+    check_vllm_version,
+    installed_vllm_version,
+)
+
+
+def option(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def test_larry_on_cpu_gets_the_sync_class_route_and_config() -> None:
+    plan = plan_launch(
+        ["/models/tiny", "--port", "8001"], async_default=False, stats_prefix="/dev/shm/x"
+    )
+    args = plan.vllm_args
+    assert args[:3] == ["/models/tiny", "--port", "8001"]
+    assert option(args, "--scheduler-cls") == ["engine_patch.scheduler.LarryScheduler"]
+    assert option(args, "--middleware") == ["engine_patch.stats_route.StatsMiddleware"]
+    assert json.loads(option(args, "--additional-config")[0]) == {"larry": {"alpha": 1.0}}
+    assert plan.env == {"SAL_STATS_PREFIX": "/dev/shm/x"}
+
+
+def test_gpu_default_is_the_async_class_unless_async_is_turned_off() -> None:
+    on_gpu = plan_launch(["m"], async_default=True).vllm_args
+    assert option(on_gpu, "--scheduler-cls") == ["engine_patch.scheduler.LarryAsyncScheduler"]
+    off = plan_launch(["m", "--no-async-scheduling"], async_default=True).vllm_args
+    assert option(off, "--scheduler-cls") == ["engine_patch.scheduler.LarryScheduler"]
+    fcfs = plan_launch(["m", "--sal-scheduler", "fcfs"], async_default=True).vllm_args
+    assert option(fcfs, "--scheduler-cls") == ["engine_patch.scheduler.FcfsAsyncScheduler"]
+    assert "--additional-config" not in fcfs
+
+
+def test_user_additional_config_is_merged_not_replaced() -> None:
+    user = json.dumps({"larry": {"alpha": 3.0}, "other_plugin": {"x": 1}})
+    plan = plan_launch(["m", f"--additional-config={user}"], async_default=False)
+    merged = json.loads(option(plan.vllm_args, "--additional-config")[0])
+    assert merged == {"larry": {"alpha": 3.0}, "other_plugin": {"x": 1}}
+    assert sum(a.startswith("--additional-config") for a in plan.vllm_args) == 1
+
+    explicit = plan_launch(
+        ["m", "--additional-config", user, "--sal-alpha", "0.5"], async_default=False
+    )
+    merged = json.loads(option(explicit.vllm_args, "--additional-config")[0])
+    assert merged["larry"] == {"alpha": 0.5}
+    assert merged["other_plugin"] == {"x": 1}
+
+
+def test_stock_passes_arguments_through_untouched() -> None:
+    argv = ["m", "--port", "9", "--additional-config", "{}"]
+    plan = plan_launch([*argv, "--sal-scheduler", "stock"], async_default=True)
+    assert plan.vllm_args == argv
+    assert plan.env == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["m", "--scheduler-cls", "x.Y"], "--scheduler-cls is set by sal-engine"),
+        (["m", "--additional-config", "{not json"], "not valid JSON"),
+        (["m", "--additional-config", "[1]"], "must be a JSON object"),
+        (["m", "--additional-config", '{"larry": {"alpah": 2}}'], "larry.alpah"),
+        (["m", "--sal-alpha", "-1"], "alpha"),
+        (["m", "--sal-scheduler", "fcfs", "--sal-alpha", "2"], "only applies"),
+    ],
+)
+def test_bad_command_lines_fail_before_vllm_starts(argv: list[str], message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        plan_launch(argv, async_default=False)
+
+
+def test_main_reports_a_bad_command_line_as_exit_status_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "_default_async_scheduling", lambda: False)
+    assert launcher.main(["serve", "m", "--scheduler-cls", "x.Y"]) == 2
+    assert "--scheduler-cls is set by sal-engine" in capsys.readouterr().err
+    assert launcher.main(["frobnicate"]) == 2
+
+
+def test_version_guard() -> None:
+    check_vllm_version(SUPPORTED_VLLM_VERSIONS[0])
+    check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + "+cpu")
+    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM .*0\.31\.9 is installed"):
+        check_vllm_version("0.31.9")
+    check_vllm_version("0.31.9", allow_unsupported=True)
+
+
+def test_the_installed_vllm_is_a_supported_one() -> None:
+    pytest.importorskip("vllm")
+    check_vllm_version(installed_vllm_version())
+
+
+def test_main_refuses_an_unsupported_vllm_at_start(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("engine_patch.versions.installed_vllm_version", lambda: "0.1.0")
+    monkeypatch.delenv("SAL_ENGINE_ALLOW_UNSUPPORTED_VLLM", raising=False)
+    assert launcher.main(["serve", "m"]) == 2
+    assert "vLLM 0.1.0 is installed" in capsys.readouterr().err
+
+
+def test_larry_params_from_additional_config() -> None:
+    assert larry_params(None).alpha == 1.0
+    assert larry_params({"larry": {"alpha": 2}}).alpha == 2.0
+    with pytest.raises(PatchConfigError, match="must be an object"):
+        larry_params({"larry": 3})
+    with pytest.raises(PatchConfigError, match="must be a number"):
+        larry_params({"larry": {"alpha": "fast"}})
+
+
+def test_stats_prefix_comes_from_the_environment() -> None:
+    assert stats_prefix({"SAL_STATS_PREFIX": "/tmp/r1"}) == "/tmp/r1"
+    assert stats_prefix({}).endswith("sal-stats")

@@ -1,0 +1,232 @@
+"""The `/stats` snapshot: binary layout, seqlock, data-parallel aggregation, ASGI route."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_patch.aggregate import combine_ranks, stats_body
+from engine_patch.snapshot import (
+    SnapshotError,
+    SnapshotReader,
+    SnapshotRecord,
+    SnapshotWriter,
+    decode_record,
+    encode_record,
+    snapshot_path,
+)
+from engine_patch.stats_route import StatsMiddleware
+from sal_gateway.stats import ReplicaStats, parse_stats
+
+
+def make_stats(**overrides: Any) -> ReplicaStats:
+    base: dict[str, Any] = {
+        "time": 1700000000.25,
+        "step": 42,
+        "model": "tiny",
+        "scheduler": "larry",
+        "alpha": 1.0,
+        "block_size": 16,
+        "kv_blocks_total": 511,
+        "kv_blocks_free": 300,
+        "queued_prefill_tokens": 1234,
+        "num_waiting": 3,
+        "num_running": 7,
+        "max_num_batched_tokens": 2048,
+        "max_num_seqs": 32,
+    }
+    base.update(overrides)
+    base.setdefault("free_kv_tokens", base["kv_blocks_free"] * base["block_size"])
+    return ReplicaStats(**base)
+
+
+def test_record_round_trips_through_the_binary_layout() -> None:
+    for stats in (make_stats(), make_stats(scheduler="fcfs", alpha=None, model="m/ü-名")):
+        record = SnapshotRecord(stats, dp_rank=2, dp_local_count=4)
+        assert decode_record(encode_record(record)) == record
+
+
+def test_writer_and_reader_share_the_latest_record(tmp_path: Path) -> None:
+    path = snapshot_path(str(tmp_path / "s"), 0)
+    writer = SnapshotWriter(path)
+    reader = SnapshotReader(path)
+    assert reader.read() is None  # created, nothing published yet
+    for step in range(3):
+        record = SnapshotRecord(make_stats(step=step), 0, 1)
+        writer.publish(record)
+        assert reader.read() == record
+    writer.close()
+    assert not path.exists()
+    with pytest.raises(SnapshotError):
+        reader.read()
+
+
+def test_reader_follows_a_restarted_engine(tmp_path: Path) -> None:
+    path = snapshot_path(str(tmp_path / "s"), 0)
+    first = SnapshotWriter(path)
+    first.publish(SnapshotRecord(make_stats(step=100), 0, 1))
+    reader = SnapshotReader(path)
+    assert reader.read() is not None
+    first.close(unlink=False)
+    second = SnapshotWriter(path)  # a new engine replaces the file
+    second.publish(SnapshotRecord(make_stats(step=1), 0, 1))
+    record = reader.read()
+    assert record is not None
+    assert record.stats.step == 1
+    second.close()
+
+
+def test_idle_restamp_refreshes_time_but_never_a_busy_record(tmp_path: Path) -> None:
+    path = snapshot_path(str(tmp_path / "s"), 0)
+    writer = SnapshotWriter(path)
+    reader = SnapshotReader(path)
+    writer.publish(SnapshotRecord(make_stats(num_waiting=0, num_running=0, time=10.0), 0, 1))
+    assert writer.restamp_if_idle(11.0)
+    record = reader.read()
+    assert record is not None
+    assert record.stats.time == 11.0
+    writer.publish(SnapshotRecord(make_stats(num_running=1, time=12.0), 0, 1))
+    assert not writer.restamp_if_idle(13.0)
+    record = reader.read()
+    assert record is not None
+    assert record.stats.time == 12.0
+    writer.close()
+
+
+def _hammer(path: str, n: int) -> None:
+    writer = SnapshotWriter(Path(path))
+    for i in range(n):
+        # Every field carries i: a torn record would mix two values.
+        writer.publish(
+            SnapshotRecord(
+                make_stats(
+                    step=i,
+                    kv_blocks_free=i,
+                    free_kv_tokens=i * 16,
+                    queued_prefill_tokens=i,
+                    num_waiting=i,
+                    num_running=i,
+                    time=float(i),
+                ),
+                0,
+                1,
+            )
+        )
+    writer.close(unlink=False)
+
+
+def test_reader_never_sees_a_torn_record_while_another_process_writes(tmp_path: Path) -> None:
+    path = snapshot_path(str(tmp_path / "s"), 0)
+    SnapshotWriter(path).close(unlink=False)
+    # A separate process, as in vLLM (EngineCore writes, API server reads).
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_hammer, args=(str(path), 30000))
+    reader = SnapshotReader(path)
+    proc.start()
+    seen = 0
+    try:
+        while proc.is_alive() or seen == 0:
+            record = reader.read()
+            if record is None:
+                continue
+            s = record.stats
+            assert s.step == s.kv_blocks_free == s.queued_prefill_tokens == s.num_waiting
+            assert s.num_running == s.step
+            assert s.time == float(s.step)
+            seen += 1
+    finally:
+        proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert seen > 0
+
+
+# Data parallelism ---------------------------------------------------------------------------
+
+
+def test_data_parallel_ranks_are_summed_with_the_oldest_time() -> None:
+    r0 = SnapshotRecord(make_stats(time=5.0, step=10, num_waiting=1, kv_blocks_free=10), 0, 2)
+    r1 = SnapshotRecord(make_stats(time=4.0, step=7, num_waiting=2, kv_blocks_free=20), 1, 2)
+    combined = combine_ranks([r1, r0])
+    assert combined.time == 4.0
+    assert combined.step == 17
+    assert combined.num_waiting == 3
+    assert combined.kv_blocks_free == 30
+    assert combined.free_kv_tokens == 30 * 16
+    assert combined.kv_blocks_total == 2 * 511
+    assert combined.max_num_batched_tokens == 2 * 2048
+    body = stats_body([r1, r0])
+    assert [r["dp_rank"] for r in body["dp_ranks"]] == [0, 1]
+    assert parse_stats(body) == combined  # readers ignore the extra field
+
+
+def test_single_engine_body_is_exactly_the_contract() -> None:
+    record = SnapshotRecord(make_stats(), 0, 1)
+    body = stats_body([record])
+    assert next(iter(body)) == "schema"
+    assert body == make_stats().to_dict()
+
+
+# The ASGI route ------------------------------------------------------------------------------
+
+
+async def _fallthrough(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"vllm"})
+
+
+async def test_stats_route_serves_the_snapshot_and_passes_other_paths(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "replica")
+    app = StatsMiddleware(_fallthrough, prefix=prefix)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+        missing = await client.get("/stats")
+        assert missing.status_code == 503
+        assert missing.json()["error"]["type"] == "stats_unavailable"
+
+        w0 = SnapshotWriter(snapshot_path(prefix, 0))
+        w0.publish(SnapshotRecord(make_stats(num_running=2), 0, 2))
+        partial = await client.get("/stats")
+        assert partial.status_code == 503  # rank 1 of 2 has not published yet
+
+        w1 = SnapshotWriter(snapshot_path(prefix, 1))
+        w1.publish(SnapshotRecord(make_stats(num_running=5), 1, 2))
+        ok = await client.get("/stats")
+        assert ok.status_code == 200
+        assert ok.headers["content-type"] == "application/json"
+        assert parse_stats(ok.json()).num_running == 7
+
+        assert (await client.post("/stats")).status_code == 405
+        other = await client.get("/v1/models")
+        assert other.text == "vllm"
+        w0.close()
+        w1.close()
+
+
+def test_threads_publishing_and_restamping_keep_the_latest_busy_state(tmp_path: Path) -> None:
+    path = snapshot_path(str(tmp_path / "s"), 0)
+    writer = SnapshotWriter(path)
+    idle = SnapshotRecord(make_stats(num_waiting=0, num_running=0, time=1.0), 0, 1)
+    busy = SnapshotRecord(make_stats(num_running=3, time=2.0), 0, 1)
+    writer.publish(idle)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        t = 100.0
+        while not stop.is_set():
+            writer.restamp_if_idle(t)
+            t += 1
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    writer.publish(busy)
+    stop.set()
+    thread.join()
+    record = SnapshotReader(path).read()
+    assert record is not None
+    assert record.stats == busy.stats
+    writer.close()
