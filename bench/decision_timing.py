@@ -2,9 +2,9 @@
 
 The snapshot is random but seeded (every backend eligible except every 16th, varied free KV and
 queued tokens), and one request of 1,000 prompt tokens is routed over and over. The result is
-the per-call time of `Policy.select()`, the work the gateway does once per request on its
-event loop (building the `BackendView` snapshot is the state table's job, timed separately as
-``snapshot`` only to show its order of magnitude).
+the per-call time of `Policy.select()` (the pure decision), plus, for SAL, the whole
+per-request routing work the gateway does on its event loop: `StateTable.views()` (building
+the 64 `BackendView` snapshots) followed by `select()`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import time
 from dataclasses import dataclass
 
 from sal_gateway.policies import POLICIES, BackendView, RouteRequest, make_policy
+from sal_gateway.state import StateTable
+from sal_gateway.stats import ReplicaStats
+
+_MODEL = "tiny"
 
 
 @dataclass(frozen=True)
@@ -77,28 +81,38 @@ def time_policy(name: str, n_backends: int, calls: int, batch: int = 50) -> Deci
     )
 
 
-def time_snapshot(n_backends: int, calls: int) -> DecisionTiming:
-    """Time building a fresh ``n_backends`` `BackendView` list (what a state table does)."""
-    template = make_snapshot(n_backends)
+def _state_table(n_backends: int, seed: int = 0) -> StateTable:
+    """A `StateTable` of one model with ``n_backends`` freshly polled backends (at t=0)."""
+    rng = random.Random(seed)
+    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+    for view in make_snapshot(n_backends, seed):
+        table.add_backend(_MODEL, view.url)
+        stats = ReplicaStats(
+            time=0.0, step=1, model=_MODEL, scheduler="larry", alpha=1.0, block_size=16,
+            kv_blocks_total=20_000, kv_blocks_free=view.free_kv_tokens // 16,
+            free_kv_tokens=view.free_kv_tokens,
+            queued_prefill_tokens=view.queued_prefill_tokens,
+            num_waiting=rng.randrange(0, 20), num_running=rng.randrange(0, 64),
+            max_num_batched_tokens=view.max_num_batched_tokens, max_num_seqs=256,
+        )  # fmt: skip
+        table.record_poll_success(_MODEL, view.url, stats, "stats", now_s=0.0)
+    return table
+
+
+def time_request_path(name: str, n_backends: int, calls: int) -> DecisionTiming:
+    """Time what the gateway does per request: `StateTable.views()` then `Policy.select()`."""
+    policy = make_policy(name, seed=0)
+    table = _state_table(n_backends)
+    request = RouteRequest(prompt_tokens=1000, beta=2.0)
     samples: list[float] = []
     for _ in range(max(1, calls // 50)):
         start = time.perf_counter()
         for _ in range(50):
-            [
-                BackendView(
-                    url=b.url,
-                    eligible=b.eligible,
-                    in_flight=b.in_flight,
-                    free_kv_tokens=b.free_kv_tokens,
-                    queued_prefill_tokens=b.queued_prefill_tokens,
-                    max_num_batched_tokens=b.max_num_batched_tokens,
-                )
-                for b in template
-            ]
+            policy.select(request, table.views(_MODEL, 0.5))
         samples.append((time.perf_counter() - start) / 50 * 1e6)
     samples.sort()
     return DecisionTiming(
-        policy="(snapshot build)",
+        policy=f"{name}: views() + select()",
         backends=n_backends,
         calls=len(samples) * 50,
         mean_us=sum(samples) / len(samples),
@@ -108,7 +122,7 @@ def time_snapshot(n_backends: int, calls: int) -> DecisionTiming:
 
 
 def time_all_policies(n_backends: int = 64, calls: int = 20_000) -> list[DecisionTiming]:
-    """`time_policy` for every registered policy, then the snapshot build, in a fixed order."""
+    """`time_policy` for every registered policy, then SAL's whole per-request path."""
     rows = [time_policy(name, n_backends, calls) for name in sorted(POLICIES)]
-    rows.append(time_snapshot(n_backends, calls))
+    rows.append(time_request_path("sal", n_backends, calls))
     return rows

@@ -51,6 +51,9 @@ PACED_MODEL = "tiny-paced"
 CONCURRENCIES = (1, 50, 200)
 PACED_FIRST_BYTE_S = 0.05
 PACED_CHUNK_S = 0.1
+STALL_PROMPT_WORDS = 6000
+STALL_LONG_CONCURRENCY = 4
+STALL_SMALL_CONCURRENCY = 10
 
 
 @dataclass(frozen=True)
@@ -80,21 +83,50 @@ QUICK = Sizing(
 )
 
 
+def _loadgen_args(
+    url: str,
+    model: str,
+    concurrency: int,
+    stream: bool,
+    duration_s: float,
+    max_requests: int,
+    prompt_words: int = 0,
+) -> list[str]:
+    args = [
+        sys.executable,
+        "-m",
+        "bench.loadgen",
+        "--url",
+        url,
+        "--model",
+        model,
+        "--concurrency",
+        str(concurrency),
+        "--requests",
+        str(max_requests),
+        "--duration-s",
+        str(duration_s),
+        "--max-tokens",
+        "8",
+        "--prompt-words",
+        str(prompt_words),
+    ]
+    return [*args, "--stream"] if stream else args  # fmt: skip
+
+
+def _parse_loadgen(returncode: int, stdout: bytes, stderr: bytes) -> LoadResult:
+    if returncode != 0:
+        raise RuntimeError(f"loadgen failed: {stderr.decode(errors='replace')[-2000:]}")
+    return LoadResult.from_dict(json.loads(stdout))
+
+
 def run_loadgen(
     url: str, *, model: str, concurrency: int, stream: bool, duration_s: float, max_requests: int
 ) -> LoadResult:
     """Run `bench.loadgen` in a child process against ``url`` and return its samples."""
-    args = [
-        sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
-        "--concurrency", str(concurrency), "--requests", str(max_requests),
-        "--duration-s", str(duration_s), "--max-tokens", "8",
-    ]  # fmt: skip
-    if stream:
-        args.append("--stream")
+    args = _loadgen_args(url, model, concurrency, stream, duration_s, max_requests)
     proc = subprocess.run(args, capture_output=True, check=False, timeout=duration_s + 120.0)
-    if proc.returncode != 0:
-        raise RuntimeError(f"loadgen failed: {proc.stderr.decode(errors='replace')[-2000:]}")
-    return LoadResult.from_dict(json.loads(proc.stdout))
+    return _parse_loadgen(proc.returncode, proc.stdout, proc.stderr)
 
 
 @dataclass(frozen=True)
@@ -212,7 +244,7 @@ def bench_added_latency(
                 stream=True,
                 duration_s=duration_s,
                 max_requests=sizing.max_requests,
-            )  # fmt: skip
+            )
             for base in (direct_base, gateway_base)
         ]
         rows.append(_latency_row(c, results[0], results[1]))
@@ -230,7 +262,7 @@ def bench_throughput(ep: Endpoints, sizing: Sizing, concurrency: int = 50) -> di
             stream=False,
             duration_s=sizing.duration_s,
             max_requests=sizing.max_requests,
-        )  # fmt: skip
+        )
         for base in (ep.backend, ep.gateway)
     )
     return {
@@ -240,6 +272,53 @@ def bench_throughput(ep: Endpoints, sizing: Sizing, concurrency: int = 50) -> di
         "gateway_p50_ms": _ms(via.latency_s, 0.5),
         "gateway_p99_ms": _ms(via.latency_s, 0.99),
         "errors": direct.errors + via.errors,
+    }
+
+
+def bench_tokenize_stall(ep: Endpoints, sizing: Sizing) -> dict[str, Any]:
+    """Short requests' latency through the gateway, alone and while long prompts are being
+    tokenized (``STALL_LONG_CONCURRENCY`` clients sending ~``STALL_PROMPT_WORDS``-word
+    prompts back to back): shows whether tokenizing long prompts stalls the event loop."""
+    url = f"{ep.gateway}/v1/completions"
+
+    def small_requests() -> LoadResult:
+        return run_loadgen(
+            url, model=FAST_MODEL, concurrency=STALL_SMALL_CONCURRENCY, stream=True,
+            duration_s=sizing.duration_s, max_requests=sizing.max_requests,
+        )  # fmt: skip
+
+    settle(ep.gateway)
+    alone = small_requests()
+    settle(ep.gateway)
+    background = subprocess.Popen(
+        _loadgen_args(
+            url, FAST_MODEL, STALL_LONG_CONCURRENCY, True, sizing.duration_s + 2.0,
+            sizing.max_requests, prompt_words=STALL_PROMPT_WORDS,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)  # the long-prompt clients are past their warm-up
+        with_long = small_requests()
+        out, err = background.communicate(timeout=sizing.duration_s + 120.0)
+    finally:
+        if background.poll() is None:
+            background.kill()
+            background.communicate()
+    long = _parse_loadgen(background.returncode, out, err)
+    return {
+        "small_concurrency": STALL_SMALL_CONCURRENCY,
+        "long_concurrency": STALL_LONG_CONCURRENCY,
+        "long_prompt_words": STALL_PROMPT_WORDS,
+        "alone_p50_ms": _ms(alone.latency_s, 0.5),
+        "alone_p99_ms": _ms(alone.latency_s, 0.99),
+        "with_long_p50_ms": _ms(with_long.latency_s, 0.5),
+        "with_long_p99_ms": _ms(with_long.latency_s, 0.99),
+        "long_req_per_s": long.requests_per_s,
+        "long_p50_ms": _ms(long.latency_s, 0.5),
+        "errors": alone.errors + with_long.errors + long.errors,
+        "error_sample": alone.error_sample or with_long.error_sample or long.error_sample,
     }
 
 
@@ -275,14 +354,18 @@ class _Progress:
         print(f"[{time.monotonic() - self._start_s:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def run_all(sizing: Sizing, with_stacks: bool) -> dict[str, Any]:
-    """Run every section once and return the raw report (what ``--json`` writes)."""
+def run_all(sizing: Sizing, with_stacks: bool, log_dir: Path | None = None) -> dict[str, Any]:
+    """Run every section once and return the raw report (what ``--json`` writes).
+
+    Server logs (and the generated config and tiny model) go to ``log_dir`` when given,
+    else to a temporary directory removed at the end."""
     from engine_patch import tiny_model
 
     progress = _Progress()
     report: dict[str, Any] = {"sizing": asdict(sizing)}
     with tempfile.TemporaryDirectory(prefix="sal-bench-") as tmp:
-        work = Path(tmp)
+        work = Path(tmp) if log_dir is None else log_dir
+        work.mkdir(parents=True, exist_ok=True)
         # 16k context so that the 10k-token tokenization input is a valid prompt.
         model_dir = tiny_model.build(work / "tiny-llama", max_model_len=16384)
         with running_servers(work, model_dir, with_stacks) as ep:
@@ -300,6 +383,8 @@ def run_all(sizing: Sizing, with_stacks: bool) -> dict[str, Any]:
             progress.step("added latency, paced")
             report["throughput"] = bench_throughput(ep, sizing)
             progress.step("throughput")
+            report["tokenize_stall"] = bench_tokenize_stall(ep, sizing)
+            progress.step("tokenization stall")
             report["stacks"] = bench_stacks(ep, sizing) if ep.stacks else []
             progress.step("client stacks")
         report["decisions"] = [asdict(r) for r in time_all_policies(64, sizing.decision_calls)]
@@ -318,8 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="well under a second per cell")
     parser.add_argument("--no-stacks", action="store_true", help="skip the client-stack proxies")
     parser.add_argument("--json", type=Path, help="also write the raw report here")
+    parser.add_argument("--log-dir", type=Path, help="keep the servers' logs in this directory")
     args = parser.parse_args(argv)
-    report = run_all(QUICK if args.quick else FULL, with_stacks=not args.no_stacks)
+    sizing = QUICK if args.quick else FULL
+    report = run_all(sizing, with_stacks=not args.no_stacks, log_dir=args.log_dir)
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

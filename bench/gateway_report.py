@@ -7,14 +7,33 @@ from typing import Any
 from bench.tables import format_table
 
 _LATENCY_HEADERS = [
-    "streams", "direct p50", "direct p99", "gateway p50", "gateway p99", "added p50",
-    "added p99", "direct TTFT p50", "gateway TTFT p50", "added TTFT p99", "requests", "errors",
-]  # fmt: skip
+    "streams",
+    "direct p50",
+    "direct p99",
+    "gateway p50",
+    "gateway p99",
+    "added p50",
+    "added p99",
+    "direct TTFT p50",
+    "gateway TTFT p50",
+    "added TTFT p99",
+    "requests",
+    "errors",
+]
 _LATENCY_KEYS = [
-    "concurrency", "direct_p50_ms", "direct_p99_ms", "gateway_p50_ms", "gateway_p99_ms",
-    "added_p50_ms", "added_p99_ms", "direct_ttft_p50_ms", "gateway_ttft_p50_ms",
-    "added_ttft_p99_ms", "requests", "errors",
-]  # fmt: skip
+    "concurrency",
+    "direct_p50_ms",
+    "direct_p99_ms",
+    "gateway_p50_ms",
+    "gateway_p99_ms",
+    "added_p50_ms",
+    "added_p99_ms",
+    "direct_ttft_p50_ms",
+    "gateway_ttft_p50_ms",
+    "added_ttft_p99_ms",
+    "requests",
+    "errors",
+]
 
 
 def ratio(a: float, b: float) -> str:
@@ -23,7 +42,13 @@ def ratio(a: float, b: float) -> str:
 
 
 def _latency_table(rows: list[dict[str, Any]]) -> str:
-    return format_table(_LATENCY_HEADERS, [[r[k] for k in _LATENCY_KEYS] for r in rows])
+    table = format_table(_LATENCY_HEADERS, [[r[k] for k in _LATENCY_KEYS] for r in rows])
+    failures = [
+        f"\n* {r['concurrency']} streams: {r['errors']} errors, e.g. {r['error_sample'][:300]}"
+        for r in rows
+        if r["errors"]
+    ]
+    return table + "".join(failures)
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -62,6 +87,24 @@ def print_report(report: dict[str, Any]) -> None:
     ]
     print(format_table(["measure", "direct", "via gateway", "gateway/direct"], rows))
 
+    stall = report.get("tokenize_stall")
+    if stall:
+        print(
+            f"\n## Do long prompts stall other requests? {stall['small_concurrency']} short SSE "
+            f"streams, alone and beside {stall['long_concurrency']} clients sending "
+            f"{stall['long_prompt_words']}-word prompts (ms)\n"
+        )
+        rows = [
+            ["short requests alone", stall["alone_p50_ms"], stall["alone_p99_ms"]],
+            ["short requests beside long prompts", stall["with_long_p50_ms"],
+             stall["with_long_p99_ms"]],
+            [f"the long-prompt requests ({stall['long_req_per_s']:.0f} req/s)",
+             stall["long_p50_ms"], float("nan")],
+        ]  # fmt: skip
+        print(format_table(["requests", "p50 ms", "p99 ms"], rows))
+        if stall["errors"]:
+            print(f"\n* {stall['errors']} errors, e.g. {stall['error_sample'][:300]}")
+
     if report.get("stacks"):
         print("\n## Client stacks: bare streaming proxies vs the gateway, 200 SSE streams\n")
         base = report["stacks"][0]["req_per_s"]
@@ -76,7 +119,7 @@ def print_report(report: dict[str, Any]) -> None:
                         r["p50_ms"],
                         r["p99_ms"],
                         r["errors"],
-                    ]  # fmt: skip
+                    ]
                     for r in report["stacks"]
                 ],
             )

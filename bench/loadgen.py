@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,11 +56,19 @@ class LoadResult:
         return self.sse_events / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def completion_body(model: str, max_tokens: int, stream: bool) -> bytes:
-    """A small `/v1/completions` request body (the prompt is a short fixed string)."""
+_WORDS = ("the", "token", "request", "gpu", "cache", "hello", "world", "prompt", "kalo", "vozu")
+
+
+def completion_body(model: str, max_tokens: int, stream: bool, prompt_words: int = 0) -> bytes:
+    """A `/v1/completions` request body: a short fixed prompt, or ``prompt_words`` words."""
+    if prompt_words > 0:
+        rng = random.Random(prompt_words)
+        prompt = " ".join(rng.choice(_WORDS) for _ in range(prompt_words))
+    else:
+        prompt = "hello world, a small benchmark prompt"
     body = {
         "model": model,
-        "prompt": "hello world, a small benchmark prompt",
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": stream,
         "ignore_eos": True,
@@ -150,10 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument(
+        "--prompt-words", type=int, default=0, help="long prompt of N words (0: short prompt)"
+    )
     args = parser.parse_args(argv)
     if not args.url.startswith(("http://127.0.0.1", "http://localhost")):
         parser.error("the load generator only sends traffic to loopback")
-    body = completion_body(args.model, args.max_tokens, args.stream)
+    body = completion_body(args.model, args.max_tokens, args.stream, args.prompt_words)
     result = uvloop.run(
         run_load(
             args.url,

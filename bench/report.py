@@ -22,7 +22,7 @@ _SINGLE_METRICS: tuple[tuple[str, str, float], ...] = (
     ("norm_ttft_p95_ms_per_token", "normalized TTFT p95 (ms/token)", 1.0),
     ("tgt_p50_s", "total generation time p50 (s)", 1.0),
     ("tgt_p95_s", "total generation time p95 (s)", 1.0),
-    ("preemption_rate", "preemptions per request (%)", 100.0),
+    ("preemption_rate", "preemptions per 100 requests", 100.0),
 )
 _FLEET_METRICS: tuple[tuple[str, str], ...] = (
     ("ttft_p50_s", "TTFT p50"),
@@ -30,7 +30,7 @@ _FLEET_METRICS: tuple[tuple[str, str], ...] = (
     ("norm_ttft_p95_ms_per_token", "norm. TTFT p95 (ms/tok)"),
     ("tgt_p50_s", "TGT p50"),
     ("tgt_p95_s", "TGT p95"),
-    ("preemption_rate", "preempt./req"),
+    ("preemption_rate", "preemptions/req"),
 )
 
 
@@ -77,7 +77,7 @@ def _larry_claims(rows: Sequence[Row]) -> list[str]:
         'better. "Other" = fcfs, no_preempt, trail_plus (the paper\'s baselines). The paper '
         "reports p50 TTFT 1.8-2.1x, p95 1.2-1.4x, normalized p95 3.3-5.5x.\n",
         "| workload | load | p50 TTFT | p95 TTFT | p99 TTFT | norm. p95 TTFT | "
-        "LARRY preemptions/req |",
+        "LARRY preemptions per 100 req. |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     others = ("fcfs", "no_preempt", "trail_plus")
@@ -94,7 +94,7 @@ def _larry_claims(rows: Sequence[Row]) -> list[str]:
             out.append(
                 f"| {workload} | {x:g}x | "
                 + " | ".join(cells)
-                + f" | {_fmt(larry['preemption_rate'])} |"
+                + f" | {_fmt(100 * larry['preemption_rate'])} |"
             )
     out.append("")
     return out

@@ -57,15 +57,16 @@ def _words(n: int, seed: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
+def _words_per_token(counter: PromptCounter) -> float:
+    """How many generated words make one token with this tokenizer (measured on 2,000 words)."""
+    n_words = 2000
+    req = _request({"model": "tiny", "prompt": _words(n_words, 0)}, Endpoint.COMPLETIONS)
+    return n_words / max(1, counter.count_sync(req).total)
+
+
 def _text_of_tokens(counter: PromptCounter, target_tokens: int, seed: int) -> str:
-    """Text whose completions-prompt count is close to ``target_tokens`` (found by scaling)."""
-    words = target_tokens
-    for _ in range(4):
-        text = _words(words, seed)
-        req = _request({"model": "tiny", "prompt": text}, Endpoint.COMPLETIONS)
-        got = counter.count_sync(req).total
-        words = max(1, round(words * target_tokens / max(1, got)))
-    return _words(words, seed)
+    """Text whose completions-prompt count is close to ``target_tokens``."""
+    return _words(max(1, round(target_tokens * _words_per_token(counter))), seed)
 
 
 def _request(body: Mapping[str, object], endpoint: Endpoint) -> InboundRequest:

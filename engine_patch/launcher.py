@@ -160,7 +160,31 @@ def plan_launch(
         config = merged_additional_config(user_configs, ours.sal_alpha)
         args += ["--additional-config", json.dumps(config, separators=(",", ":"))]
     env = {} if stats_prefix is None else {patch_config.STATS_PREFIX_ENV: stats_prefix}
+    dp_local = _local_dp_count(rest)
+    if dp_local > 1:
+        env[patch_config.DP_LOCAL_ENV] = str(dp_local)
     return LaunchPlan(vllm_args=args, env=env)
+
+
+_DP_FLAGS = {
+    "--data-parallel-size-local": "local",
+    "-dpl": "local",
+    "--data-parallel-size": "total",
+    "-dp": "total",
+}
+
+
+def _local_dp_count(args: Sequence[str]) -> int:
+    """Data-parallel engines this command starts on this host (1 unless DP is asked for)."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        flag, sep, value = arg.partition("=")
+        if flag in _DP_FLAGS:
+            if not sep:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            found[_DP_FLAGS[flag]] = value
+    raw = found.get("local") or found.get("total") or "1"
+    return max(1, int(raw)) if raw.isdigit() else 1
 
 
 def _default_async_scheduling() -> bool:

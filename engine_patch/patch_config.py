@@ -20,6 +20,10 @@ LARRY_CONFIG_KEY = "larry"
 STATS_PREFIX_ENV = "SAL_STATS_PREFIX"
 """Path prefix of the snapshot files (``{prefix}.dp{rank}``); shared by engine and API side."""
 DEFAULT_STATS_BASENAME = "sal-stats"
+DP_LOCAL_ENV = "SAL_STATS_DP_LOCAL"
+"""How many data-parallel engines run on this host, as launched. vLLM reconfigures each
+engine of a dense (non-MoE) model as an independent DP=1 engine, so the engines cannot tell
+from their config how many siblings the API server should wait for; the launcher says."""
 
 
 class PatchConfigError(ValueError):
@@ -68,3 +72,13 @@ def stats_prefix(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     value = env.get(STATS_PREFIX_ENV)
     return value if value else str(default_stats_dir() / DEFAULT_STATS_BASENAME)
+
+
+def dp_local_count(config_value: int, environ: Mapping[str, str] | None = None) -> int:
+    """Local data-parallel engine count: the larger of vLLM's config and `DP_LOCAL_ENV`."""
+    env = os.environ if environ is None else environ
+    try:
+        from_env = int(env.get(DP_LOCAL_ENV, "0"))
+    except ValueError:
+        from_env = 0
+    return max(1, config_value, from_env)

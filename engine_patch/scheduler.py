@@ -94,8 +94,12 @@ class _SalSchedulerMixin:
         self._sal_step = 0
         self._sal_model = _served_model_name(self.vllm_config)
         parallel = self.vllm_config.parallel_config
-        self._sal_dp_rank = int(parallel.data_parallel_rank)
-        self._sal_dp_local = max(1, int(parallel.data_parallel_size_local))
+        # data_parallel_index keeps the engine's DP rank even where vLLM reconfigures a
+        # dense model's engines as independent DP=1 engines (data_parallel_rank = 0).
+        self._sal_dp_rank = int(
+            getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        )
+        self._sal_dp_local = patch_config.dp_local_count(int(parallel.data_parallel_size_local))
         path = snapshot_path(patch_config.stats_prefix(), self._sal_dp_rank)
         self._sal_writer = SnapshotWriter(path)
         self._sal_stop = threading.Event()

@@ -24,23 +24,21 @@ import contextlib
 import logging
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 
-from engine_sim import openai_bodies as bodies
 from engine_sim.cost_model import PROFILES, get_profile
 from engine_sim.engine import EngineConfig, EngineModel
-from engine_sim.replica import ReplicaRuntime, TokenEvent
+from engine_sim.generation import ReplicaState, generate, metrics_text
+from engine_sim.replica import ReplicaRuntime
 from engine_sim.schedulers import ENGINE_SCHEDULERS
-from sal_gateway.errors import BadRequest, GatewayError, ModelNotFound, error_body
-from sal_gateway.request_body import Endpoint, parse_body
-from sal_gateway.tokenizer import PromptCounter, check_length, load_model_tokenizer
+from sal_gateway.request_body import Endpoint
+from sal_gateway.tokenizer import load_model_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +63,8 @@ class EmulatorConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    reserve_full_prompt: bool = True
+    """vLLM 0.32's ``--scheduler-reserve-full-isl`` (see `EngineConfig`)."""
     tokenizer: str | None = None
     """Tokenizer directory for exact prompt counts; None: the documented estimate."""
     max_model_len: int | None = None
@@ -82,20 +82,12 @@ class EmulatorConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            reserve_full_prompt=self.reserve_full_prompt,
             scheduler=self.scheduler,
             alpha=self.alpha,
             trail_c=self.trail_c,
             model_name=self.model_name,
         )
-
-
-@dataclass
-class _Replica:
-    config: EmulatorConfig
-    runtime: ReplicaRuntime
-    counter: PromptCounter
-    max_model_len: int
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def create_app(config: EmulatorConfig) -> FastAPI:
@@ -111,7 +103,13 @@ def create_app(config: EmulatorConfig) -> FastAPI:
         capacity = engine_config.num_kv_blocks * engine_config.block_size
         runtime = ReplicaRuntime(EngineModel(engine_config, profile), config.time_scale)
         runtime.start()
-        app.state.replica = _Replica(config, runtime, counter, counter.max_model_len or capacity)
+        app.state.replica = ReplicaState(
+            model_name=config.model_name,
+            runtime=runtime,
+            counter=counter,
+            max_model_len=counter.max_model_len or capacity,
+            default_max_tokens=config.default_max_tokens,
+        )
         try:
             yield
         finally:
@@ -125,7 +123,7 @@ def create_app(config: EmulatorConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        replica: _Replica = request.app.state.replica
+        replica: ReplicaState = request.app.state.replica
         return {
             "object": "list",
             "data": [
@@ -142,217 +140,23 @@ def create_app(config: EmulatorConfig) -> FastAPI:
 
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
-        replica: _Replica = request.app.state.replica
+        replica: ReplicaState = request.app.state.replica
         return replica.runtime.stats().to_dict()
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
-        replica: _Replica = request.app.state.replica
+        replica: ReplicaState = request.app.state.replica
         return PlainTextResponse(metrics_text(replica.runtime, config.model_name))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(request, Endpoint.COMPLETIONS)
+        return await generate(request, Endpoint.COMPLETIONS, request.app.state.replica)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(request, Endpoint.CHAT)
+        return await generate(request, Endpoint.CHAT, request.app.state.replica)
 
     return app
-
-
-def metrics_text(runtime: ReplicaRuntime, model_name: str) -> str:
-    """The stock vLLM ``/metrics`` series the gateway's fallback reads, plus counters."""
-    engine = runtime.engine
-    cfg = engine.config
-    labels = f'engine="0",model_name="{model_name}"'
-    used = 1.0 - engine.free_blocks / cfg.num_kv_blocks
-    c = runtime.counters
-    lines = [
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-        "# TYPE vllm:num_requests_running gauge",
-        f"vllm:num_requests_running{{{labels}}} {float(engine.num_running)}",
-        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-        "# TYPE vllm:num_requests_waiting gauge",
-        f"vllm:num_requests_waiting{{{labels}}} {float(engine.num_waiting)}",
-        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-        "# TYPE vllm:kv_cache_usage_perc gauge",
-        f"vllm:kv_cache_usage_perc{{{labels}}} {used}",
-        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-        "# TYPE vllm:cache_config_info gauge",
-        f'vllm:cache_config_info{{block_size="{cfg.block_size}",engine="0",'
-        f'num_gpu_blocks="{cfg.num_kv_blocks}"}} 1.0',
-        "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
-        "# TYPE vllm:num_preemptions_total counter",
-        f"vllm:num_preemptions_total{{{labels}}} {float(engine.num_preemptions)}",
-        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
-        "# TYPE vllm:prompt_tokens_total counter",
-        f"vllm:prompt_tokens_total{{{labels}}} {float(c.prompt_tokens)}",
-        "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
-        "# TYPE vllm:generation_tokens_total counter",
-        f"vllm:generation_tokens_total{{{labels}}} {float(c.generation_tokens)}",
-        "# HELP vllm:request_success_total Count of successfully processed requests.",
-        "# TYPE vllm:request_success_total counter",
-        f'vllm:request_success_total{{{labels},finished_reason="length"}} '
-        f"{float(c.requests_finished)}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-@dataclass
-class _Generation:
-    """One HTTP generation request after validation."""
-
-    response_id: str
-    chat: bool
-    stream: bool
-    include_usage: bool
-    prompt_counts: tuple[int, ...]
-    max_tokens: int
-
-
-def _error(exc: GatewayError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.status)
-
-
-def _validate(replica: _Replica, raw: bytes, endpoint: Endpoint) -> _Generation:
-    inbound = parse_body(raw, endpoint)
-    config = replica.config
-    if inbound.model != config.model_name:
-        raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
-    n = inbound.body.get("n", 1)
-    if n not in (1, None):
-        raise BadRequest("the emulator supports only n=1", param="n")
-    count = replica.counter.count_sync(inbound)
-    check_length(count, inbound.max_tokens, replica.max_model_len)
-    max_tokens = config.default_max_tokens if inbound.max_tokens is None else inbound.max_tokens
-    if max_tokens < 1:
-        raise BadRequest("`max_tokens` must be at least 1", param="max_tokens")
-    # vLLM clamps max_tokens to what is left of the context (it does not reject).
-    longest = max(count.per_prompt)
-    max_tokens = max(1, min(max_tokens, replica.max_model_len - longest))
-    options = inbound.body.get("stream_options") or {}
-    chat = endpoint is Endpoint.CHAT
-    return _Generation(
-        response_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-        chat=chat,
-        stream=inbound.stream,
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        prompt_counts=tuple(max(1, c) for c in count.per_prompt),
-        max_tokens=max_tokens,
-    )
-
-
-async def _generate(request: Request, endpoint: Endpoint) -> Response:
-    replica: _Replica = request.app.state.replica
-    try:
-        gen = _validate(replica, await request.body(), endpoint)
-    except GatewayError as exc:
-        return _error(exc)
-    queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-    request_ids: list[str] = []
-    try:
-        for index, prompt_tokens in enumerate(gen.prompt_counts):
-            request_ids.append(replica.runtime.submit(prompt_tokens, gen.max_tokens, queue, index))
-    except ValueError as exc:
-        _abort_all(replica, request_ids)
-        return _error(BadRequest(str(exc), param="max_tokens"))
-    if gen.stream:
-        return StreamingResponse(
-            _stream(replica, gen, queue, request_ids), media_type="text/event-stream"
-        )
-    return await _complete(request, replica, gen, queue, request_ids)
-
-
-def _abort_all(replica: _Replica, request_ids: Sequence[str]) -> None:
-    for request_id in request_ids:
-        replica.runtime.abort(request_id)
-
-
-async def _collect(queue: asyncio.Queue[TokenEvent], choices: int) -> list[int]:
-    outputs = [0] * choices
-    remaining = choices
-    while remaining:
-        event = await queue.get()
-        outputs[event.index] += event.tokens
-        remaining -= event.finished
-    return outputs
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _complete(
-    request: Request,
-    replica: _Replica,
-    gen: _Generation,
-    queue: asyncio.Queue[TokenEvent],
-    request_ids: list[str],
-) -> Response:
-    """Non-streaming: wait for every choice, or abort them all if the client leaves."""
-    collect = asyncio.ensure_future(_collect(queue, len(request_ids)))
-    disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collect.done():
-            collect.cancel()
-            _abort_all(replica, request_ids)
-    if collect.cancelled():
-        return Response(status_code=499)
-    body = bodies.completion_body(
-        gen.response_id,
-        replica.created,
-        replica.config.model_name,
-        collect.result(),
-        sum(gen.prompt_counts),
-        chat=gen.chat,
-    )
-    return JSONResponse(body)
-
-
-async def _stream(
-    replica: _Replica,
-    gen: _Generation,
-    queue: asyncio.Queue[TokenEvent],
-    request_ids: list[str],
-) -> AsyncIterator[bytes]:
-    """SSE: one chunk per engine step per choice; aborts the engine side when closed early."""
-    model = replica.config.model_name
-    outputs = [0] * len(request_ids)
-    remaining = len(request_ids)
-    try:
-        while remaining:
-            event = await queue.get()
-            first = outputs[event.index] == 0
-            outputs[event.index] += event.tokens
-            remaining -= event.finished
-            yield bodies.sse(
-                bodies.chunk(
-                    gen.response_id,
-                    replica.created,
-                    model,
-                    chat=gen.chat,
-                    index=event.index,
-                    tokens=event.tokens,
-                    finished=event.finished,
-                    first=first,
-                )
-            )
-        if gen.include_usage:
-            usage_body = bodies.usage(sum(gen.prompt_counts), sum(outputs))
-            yield bodies.sse(
-                bodies.usage_chunk(
-                    gen.response_id, replica.created, model, chat=gen.chat, usage_body=usage_body
-                )
-            )
-        yield bodies.SSE_DONE
-    finally:
-        if remaining:
-            _abort_all(replica, request_ids)
 
 
 class _Server(uvicorn.Server):
@@ -461,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+    )
+    parser.add_argument(
+        "--no-scheduler-reserve-full-isl",
+        dest="reserve_full_prompt",
+        action="store_false",
+        help="admit when the first chunk fits, not the whole prompt (as vLLM's flag)",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (exact counts)")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -10,8 +10,9 @@ iteration whose duration comes from `engine_sim.cost_model.iteration_time_s`:
    preemption), pushed to the front of the waiting queue — until it fits or it is itself
    the victim, which ends the running phase.
 2. If nothing was preempted in this step, waiting requests in policy order: admitted while
-   there is token budget, a free sequence slot (`max_num_seqs`) and KV blocks for their
-   first chunk; the first one that does not fit stops the scan (no look-past). Without
+   there is token budget, a free sequence slot (`max_num_seqs`) and free KV blocks for all
+   their tokens (`reserve_full_prompt`, vLLM 0.32's default; blocks are then allocated
+   chunk by chunk); the first one that does not fit stops the scan (no look-past). Without
    chunked prefill a prompt larger than the remaining budget also stops the scan.
 3. The batch "runs" for `duration_s`. A request whose computed tokens catch up with its
    tokens (prompt + outputs so far) samples one output token at ``now_s + duration_s``;
@@ -79,6 +80,10 @@ class EngineConfig:
     """TRAIL+ preemption threshold: preemptible while ``output_done <= c * output_tokens``."""
     model_name: str = "tiny"
     """Served model name (reported in `/stats`)."""
+    reserve_full_prompt: bool = True
+    """Admit a waiting request only if KV blocks for all its tokens to (re)compute are free,
+    though blocks are still allocated chunk by chunk (vLLM 0.32's
+    ``--scheduler-reserve-full-isl``, on by default). Off: only the first chunk must fit."""
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -298,12 +303,11 @@ class EngineModel:
         """TRAIL+: make room for the waiting head by preempting longer running requests."""
         cfg = self.config
         head = self._waiting[0]
-        first_chunk = head.prompt_tokens + head.output_done
-        if first_chunk > cfg.max_num_batched_tokens:
-            if not cfg.enable_chunked_prefill:
-                return
-            first_chunk = cfg.max_num_batched_tokens
-        need = _blocks(first_chunk, cfg.block_size)
+        # The blocks its admission will check (see `_schedule_waiting`).
+        admit_tokens = head.prompt_tokens + head.output_done
+        if not cfg.reserve_full_prompt:
+            admit_tokens = min(admit_tokens, cfg.max_num_batched_tokens)
+        need = _blocks(admit_tokens, cfg.block_size)
         running = self._running
         while need > self._free_blocks or len(running) >= cfg.max_num_seqs:
             index = self.policy.srpt_victim(head, running)
@@ -375,6 +379,7 @@ class EngineModel:
         waiting = self._waiting
         running = self._running
         reserve_tokens = self.policy.reserve_tokens
+        full = cfg.reserve_full_prompt
         prefill_tokens = attention_pairs = 0
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
@@ -385,7 +390,8 @@ class EngineModel:
                     break
                 num_new = budget
             blocks = -(-reserve_tokens(req, num_new) // bs)
-            if blocks > self._free_blocks:
+            needed = -(-reserve_tokens(req, num_tokens) // bs) if full else blocks
+            if needed > self._free_blocks:
                 break
             waiting.popleft()
             self._waiting_prefill_tokens -= num_tokens

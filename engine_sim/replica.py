@@ -1,9 +1,9 @@
 """One emulated replica: an `EngineModel` stepped on the wall clock, with token streams.
 
-A background task (`ReplicaRuntime.start`) steps the engine while it has work and sleeps
-each step's modelled duration times `time_scale` (wall seconds per modelled second: 0.1
-runs ten times faster than the modelled GPU). Tokens produced by a step are delivered to
-their streams when the sleep ends, i.e. when the modelled iteration would have finished.
+A background task (`ReplicaRuntime.start`) steps the engine while it has work; each step
+ends its modelled duration times `time_scale` after it started (wall seconds per modelled
+second: 0.1 runs ten times faster than the modelled GPU). Tokens produced by a step are
+delivered to their streams at that moment, when the modelled iteration would have finished.
 The HTTP layer (`engine_sim.emulator`) calls `submit`, reads the returned queue, and calls
 `abort` when the client goes away. All of it runs on one event loop; nothing blocks.
 """
@@ -21,6 +21,9 @@ from engine_sim.engine import EngineModel, SimRequest
 from sal_gateway.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
+
+_MAX_LAG_S = 0.010
+"""How far behind its timeline the stepping task may run before it stops catching up."""
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -113,15 +116,23 @@ class ReplicaRuntime:
         return replace(self.engine.stats(self.now_s()), time=time.time())
 
     async def _drive(self) -> None:
+        # Steps are laid on an absolute timeline: a step starts when the previous one's
+        # modelled duration has elapsed, so the time spent in Python (scheduling, token
+        # delivery, HTTP writes) is absorbed instead of adding up step after step. After a
+        # stall longer than `_MAX_LAG_S` the timeline restarts from the present.
         engine = self.engine
+        next_start = time.monotonic()
         while True:
             if not engine.has_work():
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                next_start = time.monotonic()
                 continue
-            result = engine.step(self.now_s())
-            # Sleep even for a 0 s step so HTTP handlers get the loop.
-            await asyncio.sleep(result.duration_s * self.time_scale)
+            start = max(next_start, time.monotonic() - _MAX_LAG_S)
+            result = engine.step((start - self._start_monotonic) / self.time_scale)
+            next_start = start + result.duration_s * self.time_scale
+            # Sleep even when late (0 s) so HTTP handlers get the loop.
+            await asyncio.sleep(max(0.0, next_start - time.monotonic()))
             sinks = self._sinks
             for request_id, tokens in result.new_tokens:
                 sink = sinks.get(request_id)

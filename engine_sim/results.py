@@ -124,7 +124,8 @@ _TABLE_ROWS: tuple[tuple[str, str, float], ...] = (
     ("total generation time p50 (s)", "tgt_p50_s", 1.0),
     ("total generation time p95 (s)", "tgt_p95_s", 1.0),
     ("total generation time p99 (s)", "tgt_p99_s", 1.0),
-    ("preemptions per request (%)", "preemption_rate", 100.0),
+    ("preemptions per 100 requests", "preemption_rate", 100.0),
+    ("requests preempted (%)", "preempted_request_share", 100.0),
     ("throughput (req/s)", "throughput_rps", 1.0),
     ("output throughput (tokens/s)", "output_tokens_per_s", 1.0),
 )

@@ -8,6 +8,8 @@ request path; per-backend gauges are refreshed from the state table at scrape ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sal_gateway.state import SOURCES, StateTable
@@ -34,6 +36,18 @@ _LATENCY_BUCKETS_S = (
 )
 _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 _MB = ("model", "backend")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSeries:
+    """Pre-bound children of the per-request series of one (model, backend, policy): the
+    request path touches these for every request, and `labels()` costs more than the update."""
+
+    ttft: Histogram
+    generation: Histogram
+    ok_requests: Counter
+    """``sal_requests_total{status="200"}``."""
+    routing_decisions: Counter
 
 
 class GatewayMetrics:
@@ -132,6 +146,20 @@ class GatewayMetrics:
         self.beta = Gauge("sal_beta", "SAL's current beta", ["model"], registry=r)
         self.build_info = Gauge("sal_build_info", "Gateway build", ["version"], registry=r)
         self.build_info.labels(version=version).set(1)
+        self._series: dict[tuple[str, str, str], BackendSeries] = {}
+
+    def series(self, model: str, backend: str, policy: str) -> BackendSeries:
+        """The cached per-request children for (model, backend, policy)."""
+        key = (model, backend, policy)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = BackendSeries(
+                ttft=self.ttft.labels(model, backend),
+                generation=self.generation.labels(model, backend),
+                ok_requests=self.requests.labels(model, backend, "200"),
+                routing_decisions=self.routing_decisions.labels(model, backend, policy),
+            )
+        return found
 
     def refresh(self, table: StateTable, now_s: float, betas: dict[str, float]) -> None:
         """Rewrite the per-backend gauges from the state table (called once per scrape)."""

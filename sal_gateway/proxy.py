@@ -28,11 +28,12 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from sal_gateway.beta import BetaEstimator
 from sal_gateway.config import ProxyConfig, RoutingConfig
@@ -48,6 +49,7 @@ logger = logging.getLogger("sal_gateway.proxy")
 # Connection-level failures before any response byte: safe to try another backend.
 _RETRYABLE = (
     aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError,  # connect timeout (a TimeoutError too: listed first)
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
 )
@@ -65,6 +67,8 @@ _HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# Set by our own server (uvicorn) or by the Response object; forwarding them would duplicate.
+_SERVER_OWN = frozenset({"content-type", "date", "server"})
 _SSE_DONE = b"data: [DONE]\n\n"
 _USAGE_TAIL_BYTES = 16384
 
@@ -87,14 +91,21 @@ def make_session(proxy: ProxyConfig) -> aiohttp.ClientSession:
 
 def upstream_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Client request headers worth forwarding (hop-by-hop ones dropped)."""
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+    forwarded = {
+        k: v
+        for k, v in headers.items()
+        if k.lower() not in _HOP_BY_HOP and k.lower() != "content-type"
+    }
+    # The body was validated as JSON; vLLM's FastAPI only parses it when it is labelled so.
+    forwarded["Content-Type"] = "application/json"
+    return forwarded
 
 
 def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
     return {
         k: v
         for k, v in resp.headers.items()
-        if k.lower() not in _HOP_BY_HOP and k.lower() != "content-type"
+        if k.lower() not in _HOP_BY_HOP and k.lower() not in _SERVER_OWN
     }
 
 
@@ -149,6 +160,52 @@ class _Exchange:
     ticket: Ticket
     start_s: float
     prompt_tokens: int
+    client_gone: bool = False
+
+
+async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    on_disconnect()
+
+
+class _RelayResponse(Response):
+    """Streams an upstream SSE response to the client chunk by chunk, without buffering.
+
+    Cheaper than Starlette's `StreamingResponse` (no anyio task group per stream): one asyncio
+    task watches for the client's disconnect and then closes the upstream connection, which
+    ends the relay loop at once and makes the backend abort the generation.
+    """
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        ex: _Exchange,
+        resp: aiohttp.ClientResponse,
+        headers: Mapping[str, str],
+        media_type: str,
+    ) -> None:
+        # Not Response.__init__: it would render an empty body and add Content-Length: 0.
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+        self._forwarder = forwarder
+        self._ex = ex
+        self._resp = resp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex, resp = self._ex, self._resp
+
+        def client_gone() -> None:
+            ex.client_gone = True
+            resp.close()
+
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, client_gone))
+        try:
+            await self._forwarder.relay_stream(ex, resp, self.raw_headers, send)
+        finally:
+            watcher.cancel()
 
 
 class Forwarder:
@@ -174,6 +231,7 @@ class Forwarder:
         self._routing = routing
         self._proxy = proxy
         self._clock = clock
+        self._decision_seconds = metrics.routing_decision_seconds.labels(policy=policy.name)
         self._total_timeout = aiohttp.ClientTimeout(
             total=proxy.total_timeout_s, sock_connect=proxy.connect_timeout_s
         )
@@ -192,12 +250,8 @@ class Forwarder:
         except NoEligibleBackend:
             raise NoBackendAvailable(f"no eligible backend for model {model!r}") from None
         finally:
-            self._metrics.routing_decision_seconds.labels(policy=self._policy.name).observe(
-                time.perf_counter() - started
-            )
-        self._metrics.routing_decisions.labels(
-            model=model, backend=decision.url, policy=self._policy.name
-        ).inc()
+            self._decision_seconds.observe(time.perf_counter() - started)
+        self._metrics.series(model, decision.url, self._policy.name).routing_decisions.inc()
         if logger.isEnabledFor(logging.DEBUG):
             view = views[decision.index]
             logger.debug(
@@ -226,13 +280,16 @@ class Forwarder:
         path = inbound.endpoint.value
         tried: set[str] = set()
         last_error: Exception | None = None
-        for attempt in range(self._routing.max_retries + 1):
+        failed_url = ""
+        for _attempt in range(self._routing.max_retries + 1):
             try:
                 url = self.select(model, prompt_tokens, tried)
             except NoBackendAvailable:
                 if last_error is None:
                     raise
                 break
+            if last_error is not None:  # this is a retry of what failed on `failed_url`
+                self._metrics.retries.labels(model=model, backend=failed_url).inc()
             ticket = self._table.route(model, url, prompt_tokens)
             ex = _Exchange(model, url, ticket, time.perf_counter(), prompt_tokens)
             try:
@@ -241,10 +298,8 @@ class Forwarder:
                 StateTable.release(ticket)
                 self._table.mark_suspect(model, url)
                 tried.add(url)
-                last_error = exc
-                logger.warning("connect to %s failed (%s); attempt %d", url, exc, attempt + 1)
-                if attempt < self._routing.max_retries:
-                    self._metrics.retries.labels(model=model, backend=url).inc()
+                last_error, failed_url = exc, url
+                logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
                 continue
             except GatewayError as exc:
                 StateTable.release(ticket)
@@ -280,10 +335,13 @@ class Forwarder:
     def _finish(self, ex: _Exchange, status: int, usage: tuple[int, int] | None) -> None:
         StateTable.release(ex.ticket)
         elapsed_s = time.perf_counter() - ex.start_s
-        labels = {"model": ex.model, "backend": ex.backend}
-        self._metrics.requests.labels(**labels, status=str(status)).inc()
+        series = self._metrics.series(ex.model, ex.backend, self._policy.name)
+        if status == 200:
+            series.ok_requests.inc()
+        else:
+            self._metrics.requests.labels(ex.model, ex.backend, str(status)).inc()
         if status < 400:
-            self._metrics.generation.labels(**labels).observe(elapsed_s)
+            series.generation.observe(elapsed_s)
         if usage is not None:
             prompt, completion = usage
             self._metrics.output_tokens.labels(model=ex.model).inc(completion)
@@ -296,12 +354,7 @@ class Forwarder:
     ) -> Response:
         content_type = resp.headers.get("Content-Type", "application/json")
         if inbound.stream and resp.status == 200 and content_type.startswith("text/event-stream"):
-            return StreamingResponse(
-                self._stream(ex, resp),
-                status_code=200,
-                headers=_response_headers(resp),
-                media_type=content_type,
-            )
+            return _RelayResponse(self, ex, resp, _response_headers(resp), content_type)
         try:
             body = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -316,7 +369,7 @@ class Forwarder:
             self._finish(ex, 499, None)
             raise
         StateTable.first_byte(ex.ticket)
-        self._metrics.ttft.labels(model=ex.model, backend=ex.backend).observe(
+        self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
             time.perf_counter() - ex.start_s
         )
         usage = None
@@ -328,37 +381,60 @@ class Forwarder:
             body, status_code=resp.status, headers=_response_headers(resp), media_type=content_type
         )
 
-    async def _stream(self, ex: _Exchange, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def relay_stream(
+        self,
+        ex: _Exchange,
+        resp: aiohttp.ClientResponse,
+        raw_headers: list[tuple[bytes, bytes]],
+        send: Send,
+    ) -> None:
+        """Relay `resp`'s body to the client as it arrives; settle metrics and accounting."""
         tail = b""
         first = True
         status = 200
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
             try:
                 async for chunk in resp.content.iter_any():
+                    if ex.client_gone:
+                        break
                     if first:
                         first = False
                         StateTable.first_byte(ex.ticket)
-                        self._metrics.ttft.labels(model=ex.model, backend=ex.backend).observe(
+                        self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
                             time.perf_counter() - ex.start_s
                         )
                     tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
-                    yield chunk
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
-                self._metrics.stream_errors.labels(model=ex.model, backend=ex.backend).inc()
-                logger.warning("stream from %s broke: %s: %s", ex.backend, type(exc).__name__, exc)
-                err = UpstreamError(
-                    f"the backend failed mid-stream ({type(exc).__name__}); the response is "
-                    f"incomplete and was not retried"
-                )
-                # Close a partially relayed event first so the error event parses on its own.
-                prefix = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-                yield prefix + sse_error_event(err)
-                return
-        except BaseException:
-            status = 499  # client went away (cancelled): nginx's "client closed request"
-            resp.close()  # closing the upstream connection cancels the generation
+                if not ex.client_gone:
+                    await send(self._stream_error(ex, exc, tail))
+            if ex.client_gone:
+                status = 499  # nginx's "client closed request"
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except BaseException:  # cancelled (shutdown) or the send failed
+            status = 499
             raise
         finally:
             if status == 200:
                 resp.release()
+            else:
+                resp.close()  # closing the upstream connection makes vLLM abort the request
             self._finish(ex, status, usage_from_sse_tail(tail) if status == 200 else None)
+
+    def _stream_error(self, ex: _Exchange, exc: BaseException, tail: bytes) -> Message:
+        """The body message that ends a stream broken after its first byte."""
+        self._metrics.stream_errors.labels(model=ex.model, backend=ex.backend).inc()
+        logger.warning("stream from %s broke: %s: %s", ex.backend, type(exc).__name__, exc)
+        err = UpstreamError(
+            f"the backend failed mid-stream ({type(exc).__name__}); the response is "
+            f"incomplete and was not retried"
+        )
+        # Close a partially relayed event first so the error event parses on its own.
+        prefix = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+        return {
+            "type": "http.response.body",
+            "body": prefix + sse_error_event(err),
+            "more_body": True,
+        }

