@@ -172,6 +172,8 @@ def _run_one(
     alpha: float,
     seed: int,
     policy: Any = None,
+    poll_interval_s: float = 0.1,
+    stats_delay_s: float = 0.0,
 ) -> tuple[dict[str, Any], float]:
     from engine_sim.simulator import RouterConfig, simulate
 
@@ -182,7 +184,12 @@ def _run_one(
         scheduler=scheduler,
         profile=profile,
         alpha=alpha,
-        router=RouterConfig(policy=router, seed=seed),
+        router=RouterConfig(
+            policy=router,
+            seed=seed,
+            poll_interval_s=poll_interval_s,
+            stats_delay_s=stats_delay_s,
+        ),
         policy=policy,
     )
     return result.summary.to_dict(), time.perf_counter() - started
@@ -339,6 +346,58 @@ def run_ablation(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], Non
     return rows
 
 
+STALENESS: tuple[tuple[float, float], ...] = (
+    (0.1, 0.0),
+    (0.5, 0.0),
+    (2.0, 0.0),
+    (0.1, 0.25),
+    (0.1, 1.0),
+)
+"""(poll_interval_s, stats_delay_s) of the SAL staleness sweep; (0.1, 0) is the default."""
+
+
+def run_staleness(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], None]) -> list[Row]:
+    """SAL's sensitivity to poll period and poll latency: first fleet, highest load, LARRY."""
+    profile, replicas = plan.fleets[0]
+    load_x = max(plan.fleet_loads)
+    rows: list[Row] = []
+    for workload in plan.fleet_workloads:
+        factor = base_load(workload, profile) * replicas * load_x
+        reqs = _load(workload, data_dir, plan.fleet_window_s, factor, seed)
+        for poll_s, delay_s in STALENESS:
+            summary, wall_s = _run_one(
+                reqs,
+                profile=profile,
+                replicas=replicas,
+                router="sal",
+                scheduler="larry",
+                alpha=1.0,
+                seed=seed,
+                poll_interval_s=poll_s,
+                stats_delay_s=delay_s,
+            )
+            log(
+                f"(staleness) {replicas}x{profile} {workload} {load_x:g}x poll {poll_s:g}s "
+                f"delay {delay_s:g}s: p50 TGT {summary['tgt_p50_s']:.3f}s ({wall_s:.1f}s)"
+            )
+            rows.append(
+                {
+                    "experiment": "staleness",
+                    "workload": workload,
+                    "profile": profile,
+                    "replicas": replicas,
+                    "router": "sal",
+                    "scheduler": "larry",
+                    "load_x": load_x,
+                    "trace_load_factor": factor,
+                    "poll_interval_s": poll_s,
+                    "stats_delay_s": delay_s,
+                    **summary,
+                }
+            )
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.report import write_report
 
@@ -359,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
     rows = run_single(plan, args.data_dir, args.seed, _log)
     rows += run_fleets(plan, args.data_dir, args.seed, _log)
     rows += run_ablation(plan, args.data_dir, args.seed, _log)
+    rows += run_staleness(plan, args.data_dir, args.seed, _log)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "quick": bool(args.quick),

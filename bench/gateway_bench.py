@@ -93,25 +93,11 @@ def _loadgen_args(
     prompt_words: int = 0,
 ) -> list[str]:
     args = [
-        sys.executable,
-        "-m",
-        "bench.loadgen",
-        "--url",
-        url,
-        "--model",
-        model,
-        "--concurrency",
-        str(concurrency),
-        "--requests",
-        str(max_requests),
-        "--duration-s",
-        str(duration_s),
-        "--max-tokens",
-        "8",
-        "--prompt-words",
-        str(prompt_words),
-    ]
-    return [*args, "--stream"] if stream else args  # fmt: skip
+        sys.executable, "-m", "bench.loadgen", "--url", url, "--model", model,
+        "--concurrency", str(concurrency), "--requests", str(max_requests),
+        "--duration-s", str(duration_s), "--max-tokens", "8", "--prompt-words", str(prompt_words),
+    ]  # fmt: skip
+    return [*args, "--stream"] if stream else args
 
 
 def _parse_loadgen(returncode: int, stdout: bytes, stderr: bytes) -> LoadResult:

@@ -248,6 +248,43 @@ def _ratio_rows(results: Sequence[RunResult]) -> list[tuple[str, str]]:
     return rows
 
 
+def stats_handler_cost_s(iterations: int = 20000) -> list[float]:
+    """Per-call cost of building one `/stats` answer from a snapshot (in this process): what
+    the middleware adds to an API server, without HTTP or event-loop queueing."""
+    from engine_patch.snapshot import SnapshotRecord, SnapshotWriter, snapshot_path
+    from engine_patch.stats_route import SnapshotSource
+    from sal_gateway.stats import ReplicaStats
+
+    with tempfile.TemporaryDirectory(prefix="stats-cost-") as tmp:
+        prefix = str(Path(tmp) / "s")
+        writer = SnapshotWriter(snapshot_path(prefix, 0))
+        stats = ReplicaStats(
+            time=time.time(),
+            step=1,
+            model=SERVED_NAME,
+            scheduler="larry",
+            alpha=1.0,
+            block_size=128,
+            kv_blocks_total=47,
+            kv_blocks_free=40,
+            free_kv_tokens=5120,
+            queued_prefill_tokens=300,
+            num_waiting=2,
+            num_running=8,
+            max_num_batched_tokens=2048,
+            max_num_seqs=8,
+        )
+        writer.publish(SnapshotRecord(stats, 0, 1))
+        source = SnapshotSource(prefix)
+        samples = []
+        for _ in range(iterations):
+            t = time.perf_counter()
+            source.body()
+            samples.append(time.perf_counter() - t)
+        writer.close()
+    return samples
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -325,6 +362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ratios:
         print()
         print(format_table(["ratio (>1: LARRY better)", "value"], ratios))
+    cost = stats_handler_cost_s()
+    print(
+        f"\n/stats handler cost (snapshot read + JSON, no HTTP): p50 "
+        f"{percentile(cost, 50) * 1e6:.1f} us, p99 {percentile(cost, 99) * 1e6:.1f} us"
+    )
     if args.json_out:
         args.json_out.write_text(json.dumps([asdict(r) for r in results]))
     return 0

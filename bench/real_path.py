@@ -25,6 +25,7 @@ import contextlib
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +45,8 @@ class PathResult:
     tgt_p50_s: float
     tgt_p95_s: float
     failed: int
+    failure_reasons: str = ""
+    """``reason x count`` of failed requests (HTTP status or exception type)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +78,11 @@ def _percentiles(values: Sequence[float]) -> tuple[float, float]:
 
 async def _one_request(
     client: Any, url: str, req: Any, start_wall: float, time_scale: float
-) -> tuple[float, float] | None:
-    """Send one streaming completion at its arrival time; (TTFT, TGT) in modelled seconds."""
+) -> tuple[float, float] | str:
+    """Send one streaming completion at its arrival time.
+
+    Returns (TTFT, TGT) in modelled seconds, or why it failed (HTTP status, exception type).
+    """
     await asyncio.sleep(max(0.0, start_wall + req.arrival_s * time_scale - time.monotonic()))
     body = {
         "model": MODEL_NAME,
@@ -91,15 +97,17 @@ async def _one_request(
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
-                return None
+                return f"HTTP {resp.status_code}"
             async for line in resp.aiter_lines():
                 if first is None and line.startswith("data: {") and '"text"' in line:
                     first = time.monotonic()
-    except Exception:  # any transport failure counts as a failed request
-        return None
+                elif line.startswith("data: {") and '"error"' in line:
+                    return "stream error event"
+    except Exception as exc:  # any transport failure counts as a failed request
+        return type(exc).__name__
     done = time.monotonic()
     if first is None:
-        return None
+        return "no content"
     return (first - sent) / time_scale, (done - sent) / time_scale
 
 
@@ -158,10 +166,12 @@ async def _real_run(requests: Sequence[Any], args: argparse.Namespace, router: s
             server.should_exit = True
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(task, timeout=10.0)
-    ok = [r for r in results if r is not None]
+    ok = [r for r in results if not isinstance(r, str)]
+    failures = Counter(r for r in results if isinstance(r, str))
     ttft = _percentiles([r[0] for r in ok])
     tgt = _percentiles([r[1] for r in ok])
-    return PathResult(ttft[0], ttft[1], tgt[0], tgt[1], len(results) - len(ok))
+    reasons = ", ".join(f"{reason} x{count}" for reason, count in sorted(failures.items()))
+    return PathResult(ttft[0], ttft[1], tgt[0], tgt[1], len(results) - len(ok), reasons)
 
 
 def _sim_run(requests: Sequence[Any], args: argparse.Namespace, router: str) -> PathResult:
@@ -179,6 +189,15 @@ def _sim_run(requests: Sequence[Any], args: argparse.Namespace, router: str) -> 
 
 def _ranking(results: dict[str, PathResult], key: str) -> list[str]:
     return sorted(results, key=lambda name: (getattr(results[name], key), name))
+
+
+def _ranked(results: dict[str, PathResult], order: Sequence[str], key: str) -> str:
+    best = getattr(results[order[0]], key)
+    parts = []
+    for name in order:
+        value = getattr(results[name], key)
+        parts.append(f"{name} {value / best:.2f}" if best > 0 else name)
+    return ", ".join(parts)
 
 
 def _spearman(a: Sequence[str], b: Sequence[str]) -> float:
@@ -212,12 +231,21 @@ def render(
             f"{s.ttft_p95_s:.3f} | {r.tgt_p50_s:.3f} | {s.tgt_p50_s:.3f} | "
             f"{r.tgt_p95_s:.3f} | {s.tgt_p95_s:.3f} | {r.failed} |"
         )
+    failed = [f"{name}: {r.failure_reasons}" for name, r in real.items() if r.failed]
+    if failed:
+        lines.append("\nFailed requests on the real path: " + "; ".join(failed) + ".")
     lines.append("")
-    lines.append("| metric | real ranking (best first) | simulated ranking | Spearman rho |")
+    lines.append(
+        "Rankings, best first, each policy with its value relative to the best of that path:\n"
+    )
+    lines.append("| metric | real path | simulator | Spearman rho |")
     lines.append("|---|---|---|---:|")
-    for key in ("ttft_p50_s", "tgt_p50_s", "tgt_p95_s"):
+    for key in ("ttft_p50_s", "ttft_p95_s", "tgt_p50_s", "tgt_p95_s"):
         rr, sr = _ranking(real, key), _ranking(sim, key)
-        lines.append(f"| {key} | {', '.join(rr)} | {', '.join(sr)} | {_spearman(rr, sr):.2f} |")
+        lines.append(
+            f"| {key} | {_ranked(real, rr, key)} | {_ranked(sim, sr, key)} | "
+            f"{_spearman(rr, sr):.2f} |"
+        )
     lines.append("")
     return "\n".join(lines)
 

@@ -197,11 +197,36 @@ def _ablation_table(fleet: Sequence[Row], ablation: Sequence[Row]) -> list[str]:
     return out
 
 
+def _staleness_table(rows: Sequence[Row]) -> list[str]:
+    """SAL under slower or late polls."""
+    if not rows:
+        return []
+    first = rows[0]
+    out = [
+        f"### SAL's sensitivity to poll staleness ({first['replicas']} x {first['profile']}, "
+        f"{first['load_x']:g}x, LARRY engines)\n",
+        "The gateway polls every 0.1 s; here snapshots come every `poll` seconds and reach the "
+        "router `delay` seconds after they were taken. Times in s.\n",
+        "| workload | poll (s) | delay (s) | TTFT p50 | TTFT p95 | TGT p50 | TGT p95 | "
+        "preemptions/req |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['workload']} | {r['poll_interval_s']:g} | {r['stats_delay_s']:g} | "
+            f"{_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p95_s'])} | {_fmt(r['tgt_p50_s'])} | "
+            f"{_fmt(r['tgt_p95_s'])} | {_fmt(r['preemption_rate'])} |"
+        )
+    out.append("")
+    return out
+
+
 def write_report(rows: Sequence[Row], meta: dict[str, Any], out_dir: Path) -> None:
     """Write ``results.md`` and the PNGs into `out_dir` (which exists)."""
     single = [r for r in rows if r["experiment"] == "single"]
     fleet = [r for r in rows if r["experiment"] == "fleet"]
     ablation = [r for r in rows if r["experiment"] == "ablation"]
+    staleness = [r for r in rows if r["experiment"] == "staleness"]
     for workload in dict.fromkeys(r["workload"] for r in single):
         wrows = [r for r in single if r["workload"] == workload]
         plot_load_sweep(
@@ -234,6 +259,7 @@ def write_report(rows: Sequence[Row], meta: dict[str, Any], out_dir: Path) -> No
         *_larry_claims(single),
         *_sal_claims(fleet),
         *_ablation_table(fleet, ablation),
+        *_staleness_table(staleness),
         "## (a) One replica: engine schedulers\n",
         *_single_tables(single),
         "## (b) Fleets: routers x engine schedulers\n",

@@ -39,7 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from engine_patch import __version__, patch_config
-from engine_patch.versions import UnsupportedVllmVersion, ensure_supported_vllm
+from engine_patch.versions import (
+    SUPPORTED_VLLM_VERSIONS,
+    UnsupportedVllmVersion,
+    ensure_supported_vllm,
+)
 
 SCHEDULER_MODULE = "engine_patch.scheduler"
 MIDDLEWARE = "engine_patch.stats_route.StatsMiddleware"
@@ -228,6 +232,9 @@ def run_vllm_serve(vllm_args: Sequence[str]) -> None:
 
 
 def _serve(argv: Sequence[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        # Our options first; vLLM's parser then prints its own help and exits.
+        print(__doc__)
     prefix = os.environ.get(patch_config.STATS_PREFIX_ENV) or _new_stats_prefix()
     plan = plan_launch(argv, async_default=_default_async_scheduling(), stats_prefix=prefix)
     os.environ.update(plan.env)
@@ -244,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0 if args else 2
     if args[0] in ("-V", "--version"):
-        print(f"sal-engine {__version__}")
+        supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
+        print(f"sal-engine {__version__} (supports vLLM {supported})")
         return 0
     if args[0] != "serve":
         print(f"sal-engine: unknown command {args[0]!r} (expected 'serve')", file=sys.stderr)

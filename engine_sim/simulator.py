@@ -11,8 +11,9 @@ The router sees state the way the gateway does:
 * a `/stats` snapshot of every replica (`ReplicaEngine.stats(now)`), taken every
   `poll_interval_s` and delivered `stats_delay_s` later (the staleness knob);
 * between polls, local accounting: each routed request's prompt tokens are added to that
-  replica's queued prefill tokens and subtracted from its free KV tokens, until a snapshot
-  taken after the routing replaces them ("assumes nothing finished");
+  replica's queued prefill tokens and subtracted from its free KV tokens ("assumes nothing
+  finished"), until the next snapshot reaches the router and resets them, exactly as the
+  gateway's state table does on every successful poll;
 * in-flight counts from its own bookkeeping (+1 when routed, -1 when the last token is out).
 
 Event loop: a heap of next-event times. A busy replica has exactly one pending event, the
@@ -29,7 +30,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine_sim.cost_model import get_profile
@@ -123,20 +124,18 @@ class _RouterView:
     """The router's picture of one replica: last snapshot + what it routed there since."""
 
     snapshot: ReplicaStats
-    snapshot_taken_s: float
-    routed_since: deque[tuple[float, int]] = field(default_factory=deque)
     routed_tokens: int = 0
+    """Prompt tokens routed here since the snapshot arrived."""
     in_flight: int = 0
 
-    def apply(self, snapshot: ReplicaStats, taken_s: float) -> None:
+    def apply(self, snapshot: ReplicaStats) -> None:
+        # Like the gateway's state table (`record_poll_success`): a new snapshot replaces
+        # the numbers and resets local accounting, even for requests routed while that poll
+        # was in flight (with `stats_delay_s` > 0 those drop off the books early).
         self.snapshot = snapshot
-        self.snapshot_taken_s = taken_s
-        # Requests routed before the snapshot was taken are already in its numbers.
-        while self.routed_since and self.routed_since[0][0] < taken_s:
-            self.routed_tokens -= self.routed_since.popleft()[1]
+        self.routed_tokens = 0
 
-    def route(self, now_s: float, prompt_tokens: int) -> None:
-        self.routed_since.append((now_s, prompt_tokens))
+    def route(self, prompt_tokens: int) -> None:
         self.routed_tokens += prompt_tokens
         self.in_flight += 1
 
@@ -186,7 +185,7 @@ class Simulation:
         self._max_sim_s = math.inf if max_sim_s is None else max_sim_s
         self._urls = [f"sim://replica-{i}" for i in range(len(engines))]
         first_s = self._requests[0].arrival_s if self._requests else 0.0
-        self._views = [_RouterView(e.stats(first_s), -math.inf) for e in self._engines]
+        self._views = [_RouterView(e.stats(first_s)) for e in self._engines]
         self._busy = [False] * len(engines)
         self._pending: list[StepOutcome | None] = [None] * len(engines)
         self._heap: list[tuple[float, int, int, int]] = []
@@ -273,9 +272,8 @@ class Simulation:
             latest = self._snapshots.popleft()
         if latest is None:
             return
-        taken_s, stats = latest
-        for view, snap in zip(self._views, stats, strict=True):
-            view.apply(snap, taken_s)
+        for view, snap in zip(self._views, latest[1], strict=True):
+            view.apply(snap)
 
     def _arrive(self, index: int, now_s: float) -> None:
         req = self._requests[index]
@@ -288,7 +286,7 @@ class Simulation:
         request_id = f"r{index}"
         self._replica_of[request_id] = replica
         self._index_of[request_id] = index
-        self._views[replica].route(now_s, req.prompt_tokens)
+        self._views[replica].route(req.prompt_tokens)
         self._routed[replica] += 1
         self._submit(self._engines[replica], request_id, now_s, req)
         if not self._busy[replica]:

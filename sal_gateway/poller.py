@@ -60,6 +60,8 @@ class Poller:
         self._routing = routing
         self._clock = clock
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._stock_vllm: set[tuple[str, str]] = set()
+        """Backends whose /stats answered 404: polled on /metrics until that fails."""
         self._rng = random.Random()
         self._timeout = aiohttp.ClientTimeout(total=routing.poll_timeout_s)
 
@@ -71,6 +73,7 @@ class Poller:
 
     async def stop(self, model: str, url: str) -> None:
         """Stop polling `url` and wait for its task to end."""
+        self._stock_vllm.discard((model, url))
         task = self._tasks.pop((model, url), None)
         if task is not None:
             task.cancel()
@@ -79,6 +82,7 @@ class Poller:
 
     def cancel(self, model: str, url: str) -> None:
         """Stop polling `url` without waiting (for synchronous callers such as discovery)."""
+        self._stock_vllm.discard((model, url))
         task = self._tasks.pop((model, url), None)
         if task is not None:
             task.cancel()
@@ -95,15 +99,18 @@ class Poller:
 
     async def poll_once(self, model: str, url: str) -> bool:
         """Poll one backend once and record the outcome; True on success."""
-        backend = self._table.get(model, url)
-        if backend is None:
+        if self._table.get(model, url) is None:
             return False
         try:
-            if backend.source == "metrics":
+            if (model, url) in self._stock_vllm:
                 stats, source = await self._read_metrics(model, url), "metrics"
             else:
                 stats, source = await self._read_stats(model, url)
+                if source == "metrics":
+                    self._stock_vllm.add((model, url))
         except PollFailed as exc:
+            # The next poll asks /stats first again (the replica may have been upgraded).
+            self._stock_vllm.discard((model, url))
             if self._table.record_poll_failure(model, url):
                 self._metrics.ejections.labels(model=model, backend=url).inc()
                 logger.warning("ejected backend %s (model %s): %s", url, model, exc)

@@ -43,6 +43,7 @@ from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.policies import NoEligibleBackend, Policy, RouteRequest
 from sal_gateway.request_body import InboundRequest
 from sal_gateway.state import StateTable, Ticket
+from sal_gateway.usage import USAGE_TAIL_BYTES, usage_from_json, usage_from_sse_tail
 
 logger = logging.getLogger("sal_gateway.proxy")
 
@@ -70,7 +71,6 @@ _HOP_BY_HOP = frozenset(
 # Set by our own server (uvicorn) or by the Response object; forwarding them would duplicate.
 _SERVER_OWN = frozenset({"content-type", "date", "server"})
 _SSE_DONE = b"data: [DONE]\n\n"
-_USAGE_TAIL_BYTES = 16384
 
 
 def make_session(proxy: ProxyConfig) -> aiohttp.ClientSession:
@@ -107,43 +107,6 @@ def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
         for k, v in resp.headers.items()
         if k.lower() not in _HOP_BY_HOP and k.lower() not in _SERVER_OWN
     }
-
-
-def usage_from_json(body: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, completion_tokens) from a non-streaming response body, if present."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return _usage_of(obj)
-
-
-def _usage_of(obj: object) -> tuple[int, int] | None:
-    if not isinstance(obj, dict):
-        return None
-    usage = obj.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if isinstance(prompt, int) and isinstance(completion, int):
-        return prompt, completion
-    return None
-
-
-def usage_from_sse_tail(tail: bytes) -> tuple[int, int] | None:
-    """The last ``usage`` in an SSE stream's tail (vLLM sends it in the last chunk when the
-    client asked with ``stream_options.include_usage``)."""
-    for event in reversed(tail.split(b"\n\n")):
-        line = event.strip()
-        if not line.startswith(b"data:") or b'"usage"' not in line:
-            continue
-        try:
-            found = _usage_of(json.loads(line[5:]))
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if found is not None:
-            return found
-    return None
 
 
 def sse_error_event(exc: GatewayError) -> bytes:
@@ -404,7 +367,7 @@ class Forwarder:
                         self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
                             time.perf_counter() - ex.start_s
                         )
-                    tail = (tail + chunk)[-_USAGE_TAIL_BYTES:]
+                    tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if not ex.client_gone:

@@ -98,7 +98,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> InboundRequest:
     """Decode and validate one request body; `BadRequest` names the first bad field."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")

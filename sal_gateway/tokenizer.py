@@ -95,10 +95,15 @@ def _text_size(req: InboundRequest) -> int:
     return sum(len(p) for p in req.prompts if isinstance(p, str))
 
 
+def _utf8_len(text: str) -> int:
+    # "replace": lone surrogates (legal in JSON escapes) must not crash the estimate.
+    return len(text.encode("utf-8", "replace"))
+
+
 def estimate(req: InboundRequest) -> PromptCount:
     """The documented estimate used when the model has no tokenizer."""
     if req.endpoint is Endpoint.CHAT:
-        n_bytes = sum(len(_content_text(m.get("content")).encode()) for m in req.messages)
+        n_bytes = sum(_utf8_len(_content_text(m.get("content"))) for m in req.messages)
         tokens = (
             math.ceil(n_bytes / ESTIMATE_BYTES_PER_TOKEN)
             + ESTIMATE_CHAT_TOKENS_PER_MESSAGE * len(req.messages)
@@ -106,7 +111,7 @@ def estimate(req: InboundRequest) -> PromptCount:
         )
         return PromptCount((tokens,), estimated=True)
     counts = tuple(
-        math.ceil(len(p.encode()) / ESTIMATE_BYTES_PER_TOKEN) if isinstance(p, str) else len(p)
+        math.ceil(_utf8_len(p) / ESTIMATE_BYTES_PER_TOKEN) if isinstance(p, str) else len(p)
         for p in req.prompts
     )
     return PromptCount(counts, estimated=any(isinstance(p, str) for p in req.prompts))
@@ -124,7 +129,10 @@ class PromptCounter:
         return self.hf_tokenizer is not None
 
     def _encode_len(self, text: str, add_special_tokens: bool) -> int:
-        ids = self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        try:
+            ids = self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        except Exception as exc:  # e.g. lone surrogates from JSON escapes: the client's input
+            raise BadRequest(f"the prompt cannot be tokenized: {exc}", param="prompt") from None
         return len(ids)
 
     def _render_chat(self, req: InboundRequest) -> str:

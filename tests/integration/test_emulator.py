@@ -31,12 +31,10 @@ async def wait_idle(http: httpx.AsyncClient, url: str, polls: int = 500) -> dict
 
 
 async def test_completions_through_the_openai_sdk_non_streaming() -> None:
-    async with run_emulators(1) as (url,):
-        client = client_for(url)
+    async with run_emulators(1) as (url,), client_for(url) as client:
         result = await client.completions.create(
             model="tiny", prompt=[5, 6, 7, 8], max_tokens=7, extra_body={"ignore_eos": True}
         )
-        await client.close()
     assert result.usage is not None
     assert result.usage.prompt_tokens == 4
     assert result.usage.completion_tokens == 7
@@ -45,8 +43,7 @@ async def test_completions_through_the_openai_sdk_non_streaming() -> None:
 
 
 async def test_chat_streaming_delivers_every_token_and_usage() -> None:
-    async with run_emulators(1) as (url,):
-        client = client_for(url)
+    async with run_emulators(1) as (url,), client_for(url) as client:
         stream = await client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "How long is a piece of string?"}],
@@ -61,7 +58,6 @@ async def test_chat_streaming_delivers_every_token_and_usage() -> None:
                 usage = chunk.usage
             for choice in chunk.choices:
                 contents.append(choice.delta.content or "")
-        await client.close()
     assert "".join(contents).count("tok") == 12
     assert usage is not None
     assert usage.completion_tokens == 12
@@ -70,8 +66,8 @@ async def test_chat_streaming_delivers_every_token_and_usage() -> None:
 
 
 async def test_stats_and_metrics_follow_the_contracts_under_load() -> None:
-    async with run_emulators(1, num_kv_blocks=64, time_scale=2.0) as (url,):
-        client = client_for(url)
+    emulators = run_emulators(1, num_kv_blocks=64, time_scale=2.0)
+    async with emulators as (url,), client_for(url) as client:
         jobs = [
             asyncio.create_task(
                 client.completions.create(model="tiny", prompt=[1] * 300, max_tokens=40)
@@ -89,7 +85,6 @@ async def test_stats_and_metrics_follow_the_contracts_under_load() -> None:
             metrics = parse_vllm_metrics((await http.get(f"{url}/metrics")).text, "tiny", 0.0)
             results = await asyncio.gather(*jobs)
             idle = parse_stats(await wait_idle(http, url))
-        await client.close()
     # 6 x 300-token prompts (19 blocks each) cannot all fit 64 blocks: some wait.
     assert busy is not None
     assert busy.kv_blocks_free < busy.kv_blocks_total == 64
@@ -103,7 +98,7 @@ async def test_stats_and_metrics_follow_the_contracts_under_load() -> None:
 
 
 async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
-    # time_scale 5: a 100k-token generation would take many minutes of wall time.
+    # time_scale 5: this 10,000-token generation would take ~150 s of wall time.
     async with run_emulators(1, time_scale=5.0) as (url,), httpx.AsyncClient() as http:
         body = {"model": "tiny", "prompt": [1] * 10, "max_tokens": 10_000, "stream": True}
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -124,9 +119,8 @@ async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
 async def test_several_replicas_in_one_process_are_independent() -> None:
     async with run_emulators(3, scheduler="larry", alpha=5.0) as urls, httpx.AsyncClient() as http:
         assert len(set(urls)) == 3
-        client = client_for(urls[1])
-        await client.completions.create(model="tiny", prompt=[3] * 50, max_tokens=5)
-        await client.close()
+        async with client_for(urls[1]) as client:
+            await client.completions.create(model="tiny", prompt=[3] * 50, max_tokens=5)
         steps = []
         for url in urls:
             assert (await http.get(f"{url}/health")).status_code == 200
@@ -151,18 +145,25 @@ async def test_errors_are_openai_shaped() -> None:
     assert too_big.json()["usage"]["completion_tokens"] == 28
 
 
-async def test_prompt_counts_match_the_gateway_with_a_tokenizer(tiny_model_dir: Path) -> None:
-    text = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox."
+@pytest.mark.parametrize("repeat", [1, 300], ids=["short", "long-prompt-in-thread"])
+async def test_prompt_counts_match_the_gateway_with_a_tokenizer(
+    tiny_model_dir: Path, repeat: int
+) -> None:
+    text = "The quick brown fox jumps over the lazy dog, twice: the quick brown fox. " * repeat
     raw = httpx.Request(
         "POST", "http://x", json={"model": "tiny", "prompt": text, "max_tokens": 2}
     ).content
     expected = load_model_tokenizer(str(tiny_model_dir), None).count_sync(
         parse_body(raw, Endpoint.COMPLETIONS)
     )
-    async with run_emulators(1, tokenizer=str(tiny_model_dir)) as (url,):
-        client = client_for(url)
+    # 2,048 blocks and a 32k context: the long prompt is ~19k tokens of the byte-level BPE.
+    async with (
+        run_emulators(
+            1, tokenizer=str(tiny_model_dir), num_kv_blocks=2048, max_model_len=32768
+        ) as (url,),
+        client_for(url) as client,
+    ):
         result = await client.completions.create(model="tiny", prompt=text, max_tokens=2)
-        await client.close()
     assert result.usage is not None
     assert result.usage.prompt_tokens == expected.total
     assert expected.estimated is False
@@ -171,12 +172,11 @@ async def test_prompt_counts_match_the_gateway_with_a_tokenizer(tiny_model_dir: 
 async def test_batched_prompts_on_a_gpu_profile_faster_than_real_time() -> None:
     # The 8B/A100 profile at time_scale 0.05: a 2,000-token prefill (~0.17 s modelled)
     # takes ~9 ms of wall time.
-    async with run_emulators(1, profile="llama3-8b-a100", time_scale=0.05) as (url,):
-        client = client_for(url)
+    emulators = run_emulators(1, profile="llama3-8b-a100", time_scale=0.05)
+    async with emulators as (url,), client_for(url) as client:
         result = await client.completions.create(
             model="tiny", prompt=[[1] * 2000, [2] * 30], max_tokens=4
         )
-        await client.close()
     assert [c.index for c in result.choices] == [0, 1]
     assert all(c.text.count("tok") == 4 for c in result.choices)
     assert result.usage is not None

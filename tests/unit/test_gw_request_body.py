@@ -17,8 +17,9 @@ from sal_gateway.errors import (
     error_body,
     error_status,
 )
-from sal_gateway.proxy import sse_error_event, usage_from_json, usage_from_sse_tail
+from sal_gateway.proxy import sse_error_event
 from sal_gateway.request_body import Endpoint, parse_body
+from sal_gateway.usage import usage_from_json, usage_from_sse_tail
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,7 @@ from sal_gateway.request_body import Endpoint, parse_body
         (b"{not json", Endpoint.COMPLETIONS, "not valid JSON"),
         (b"\xff\xfe", Endpoint.COMPLETIONS, "not valid JSON"),
         (b"[1, 2]", Endpoint.COMPLETIONS, "must be a JSON object"),
+        (b"[" * 100_000, Endpoint.COMPLETIONS, "not valid JSON"),
         (b'{"prompt": "x"}', Endpoint.COMPLETIONS, "`model` is required"),
         (b'{"model": 3, "prompt": "x"}', Endpoint.COMPLETIONS, "`model` is required"),
         (b'{"model": "m"}', Endpoint.COMPLETIONS, "`prompt` is required"),

@@ -84,6 +84,8 @@ def test_estimate_without_tokenizer_is_flagged() -> None:
     assert count == PromptCount((10,), estimated=True)
     ids = plain.count_sync(_req(Endpoint.COMPLETIONS, prompt=[1, 2, 3]))
     assert ids == PromptCount((3,), estimated=False)  # token IDs need no tokenizer
+    surrogate = plain.count_sync(_req(Endpoint.COMPLETIONS, prompt="a\ud800b"))
+    assert surrogate == PromptCount((1,), estimated=True)
     chat = estimate(_req(Endpoint.CHAT, messages=[{"role": "user", "content": "y" * 8}]))
     assert chat == PromptCount((2 + 4 + 3,), estimated=True)
 

@@ -135,8 +135,10 @@ def test_experiments_write_tables_and_plots(
     assert pngs == ["fleet_8xllama3-8b-a100_chat-bursty_1x.png", "single_chat.png"]
     assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
     rows = json.loads((out / "results.json").read_text())["rows"]
-    # 2 loads x 6 schedulers, 3 engine schedulers x 3 routers, 1 what-if SAL variant.
-    assert len(rows) == 2 * 6 + 3 * 3 + 1
+    # 2 loads x 6 schedulers, 3 engine schedulers x 3 routers, 1 what-if SAL variant,
+    # 5 staleness settings.
+    assert len(rows) == 2 * 6 + 3 * 3 + 1 + 5
+    assert "sensitivity to poll staleness" in report
     assert "What-if: SAL with ties broken" in report
 
 
