@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +41,11 @@ import yaml
 from bench.decision_timing import time_all_policies
 from bench.gateway_report import print_report
 from bench.loadgen import LoadResult
-from bench.processes import PortAllocator, server_process, wait_http_ok
+from bench.processes import PortAllocator, ServerGroup, wait_http_ok
 from bench.proxy_stacks import STACKS
 from bench.tables import percentile
 from bench.tokenize_timing import time_tokenization
+from sal_gateway.policies import POLICIES
 
 FAST_MODEL = "tiny"
 PACED_MODEL = "tiny-paced"
@@ -125,62 +126,58 @@ class Endpoints:
     stacks: dict[str, str]
 
 
-def _gateway_config(path: Path, port: int, fast: str, paced: str, tokenizer: Path) -> Path:
+def _gateway_config(
+    path: Path, port: int, fast: str, paced: str, tokenizer: Path, policy: str
+) -> Path:
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [
             {"name": FAST_MODEL, "tokenizer": str(tokenizer), "backends": [fast]},
             {"name": PACED_MODEL, "tokenizer": str(tokenizer), "backends": [paced]},
         ],
-        "routing": {"policy": "sal", "poll_interval_s": 0.1},
+        "routing": {"policy": policy, "poll_interval_s": 0.1},
         "log_level": "warning",
     }
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def _python_server(
-    stack: ExitStack, ports: PortAllocator, work: Path, name: str, args: list[str], health: str
-) -> str:
-    port = ports.take()
-    url = f"http://127.0.0.1:{port}"
-    stack.enter_context(
-        server_process(
-            [*args, "--port", str(port)], f"{url}{health}", log_path=work / f"{name}.log"
-        )
-    )
-    return url
-
-
 @contextmanager
-def running_servers(work: Path, model_dir: Path, with_stacks: bool) -> Iterator[Endpoints]:
-    """Start the fake backends, the gateway and (optionally) the bare proxies; stop them all."""
+def running_servers(
+    work: Path, model_dir: Path, with_stacks: bool, policy: str = "sal"
+) -> Iterator[Endpoints]:
+    """Start the fake backends, the gateway and (optionally) the bare proxies together, wait
+    until all answer, and stop them all on exit."""
     ports = PortAllocator(19000, 20000)
-    with ExitStack() as stack:
+    with ServerGroup() as group:
+
+        def start(name: str, args: list[str], health: str) -> str:
+            port = ports.take()
+            url = f"http://127.0.0.1:{port}"
+            group.start([*args, "--port", str(port)], f"{url}{health}", work / f"{name}.log")
+            return url
+
         fake = ["-m", "bench.fake_backend_server"]
-        backend = _python_server(
-            stack, ports, work, "backend", [*fake, "--model", FAST_MODEL], "/health"
-        )
+        backend = start("backend", [*fake, "--model", FAST_MODEL], "/health")
         paced_args = [
             *fake, "--model", PACED_MODEL, "--first-byte-delay-s", str(PACED_FIRST_BYTE_S),
             "--chunk-delay-s", str(PACED_CHUNK_S),
         ]  # fmt: skip
-        paced = _python_server(stack, ports, work, "paced-backend", paced_args, "/health")
+        paced = start("paced-backend", paced_args, "/health")
         gw_port = ports.take()
-        config = _gateway_config(work / "gateway.yaml", gw_port, backend, paced, model_dir)
+        config = _gateway_config(work / "gateway.yaml", gw_port, backend, paced, model_dir, policy)
         gateway = f"http://127.0.0.1:{gw_port}"
-        stack.enter_context(
-            server_process(
-                ["-m", "sal_gateway.cli", "serve", "--config", str(config)],
-                f"{gateway}/ready",
-                log_path=work / "gateway.log",
-            )
+        group.start(
+            ["-m", "sal_gateway.cli", "serve", "--config", str(config)],
+            f"{gateway}/ready",
+            work / "gateway.log",
         )
         stacks: dict[str, str] = {}
         if with_stacks:
             for name in STACKS:
                 args = ["-m", "bench.proxy_stacks", "--stack", name, "--upstream", backend]
-                stacks[name] = _python_server(stack, ports, work, f"proxy-{name}", args, "/health")
+                stacks[name] = start(f"proxy-{name}", args, "/health")
+        group.wait_all(timeout_s=120.0)
         yield Endpoints(backend=backend, paced_backend=paced, gateway=gateway, stacks=stacks)
 
 
@@ -340,7 +337,9 @@ class _Progress:
         print(f"[{time.monotonic() - self._start_s:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def run_all(sizing: Sizing, with_stacks: bool, log_dir: Path | None = None) -> dict[str, Any]:
+def run_all(
+    sizing: Sizing, with_stacks: bool, log_dir: Path | None = None, policy: str = "sal"
+) -> dict[str, Any]:
     """Run every section once and return the raw report (what ``--json`` writes).
 
     Server logs (and the generated config and tiny model) go to ``log_dir`` when given,
@@ -348,13 +347,13 @@ def run_all(sizing: Sizing, with_stacks: bool, log_dir: Path | None = None) -> d
     from engine_patch import tiny_model
 
     progress = _Progress()
-    report: dict[str, Any] = {"sizing": asdict(sizing)}
+    report: dict[str, Any] = {"sizing": asdict(sizing), "policy": policy}
     with tempfile.TemporaryDirectory(prefix="sal-bench-") as tmp:
         work = Path(tmp) if log_dir is None else log_dir
         work.mkdir(parents=True, exist_ok=True)
         # 16k context so that the 10k-token tokenization input is a valid prompt.
         model_dir = tiny_model.build(work / "tiny-llama", max_model_len=16384)
-        with running_servers(work, model_dir, with_stacks) as ep:
+        with running_servers(work, model_dir, with_stacks, policy) as ep:
             progress.step("servers up")
             report["added_latency"] = bench_added_latency(
                 ep.backend, ep.gateway, FAST_MODEL, sizing.duration_s, sizing
@@ -390,9 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stacks", action="store_true", help="skip the client-stack proxies")
     parser.add_argument("--json", type=Path, help="also write the raw report here")
     parser.add_argument("--log-dir", type=Path, help="keep the servers' logs in this directory")
+    parser.add_argument(
+        "--policy", default="sal", choices=sorted(POLICIES), help="the gateway's routing policy"
+    )
     args = parser.parse_args(argv)
     sizing = QUICK if args.quick else FULL
-    report = run_all(sizing, with_stacks=not args.no_stacks, log_dir=args.log_dir)
+    report = run_all(
+        sizing, with_stacks=not args.no_stacks, log_dir=args.log_dir, policy=args.policy
+    )
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

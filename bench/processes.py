@@ -16,8 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -74,28 +73,41 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
         proc.wait(timeout=grace_s)
 
 
-@contextmanager
-def server_process(
-    args: Sequence[str],
-    health_url: str,
-    *,
-    log_path: Path,
-    env: Mapping[str, str] | None = None,
-    timeout_s: float = 60.0,
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``python <args>`` until the block exits; yields once ``health_url`` answers 200."""
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=child_env
-        )
-        try:
+class ServerGroup:
+    """Child servers started together and awaited together (their start-ups overlap).
+
+    Use as a context manager: `start()` each server, then `wait_all()`; on exit every child
+    is stopped by PID, in reverse start order."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._env = {**os.environ, **(env or {})}
+        self._children: list[tuple[subprocess.Popen[bytes], str, Path]] = []
+
+    def start(self, args: Sequence[str], health_url: str, log_path: Path) -> None:
+        """Start ``python <args>`` with its output in ``log_path``; do not wait."""
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env,
+            )
+        self._children.append((proc, health_url, log_path))
+
+    def wait_all(self, timeout_s: float = 60.0) -> None:
+        """Wait until every started server answers 200 on its health URL."""
+        deadline = time.monotonic() + timeout_s
+        for proc, url, log_path in self._children:
             try:
-                wait_http_ok(health_url, timeout_s, proc)
+                wait_http_ok(url, max(1.0, deadline - time.monotonic()), proc)
             except (RuntimeError, TimeoutError) as exc:
                 tail = log_path.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{exc}\n--- {log_path} ---\n{tail}") from exc
-            yield proc
-        finally:
+
+    def __enter__(self) -> ServerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc, _, _ in reversed(self._children):
             stop_process(proc)

@@ -97,9 +97,11 @@ def create_app(config: EmulatorConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        counter = await asyncio.to_thread(
-            load_model_tokenizer, config.tokenizer, config.max_model_len
-        )
+        # Loaded on the loop thread on purpose: several replicas of one process start
+        # together, and concurrent first imports of transformers from worker threads race in
+        # its lazy module loader (ImportError: cannot import name 'AutoTokenizer'). Start-up
+        # only; no request is being served yet.
+        counter = load_model_tokenizer(config.tokenizer, config.max_model_len)
         capacity = engine_config.num_kv_blocks * engine_config.block_size
         runtime = ReplicaRuntime(EngineModel(engine_config, profile), config.time_scale)
         runtime.start()

@@ -16,9 +16,12 @@ Failure semantics (see docs/gateway.md):
   retried: generation may have happened.
 * Failure after the first byte of a stream: the stream ends with
   ``data: {"error": {...}}`` and ``data: [DONE]``, never retried (no duplicate generation).
-* The request body is forwarded byte for byte; SSE bytes are relayed as they arrive, without
-  buffering or re-encoding. A client disconnect cancels the upstream request (its connection is
-  closed). The state-table ticket is released on every exit path.
+* The request body is forwarded byte for byte, except that a stream whose client did not ask
+  for usage is asked for it (`usage.with_usage_requested`) and the usage-only event removed
+  again. SSE bytes are relayed as they arrive, never re-encoded (when removing that event,
+  the bytes of a not yet terminated event wait for its end). A client disconnect cancels the
+  upstream request (its connection is closed). The state-table ticket is released on every
+  exit path.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.policies import NoEligibleBackend, Policy, RouteRequest
 from sal_gateway.request_body import InboundRequest
 from sal_gateway.state import StateTable, Ticket
-from sal_gateway.usage import USAGE_TAIL_BYTES, usage_from_json, usage_from_sse_tail
+from sal_gateway.usage import (
+    USAGE_TAIL_BYTES,
+    UsageStripper,
+    usage_from_json,
+    usage_from_sse_tail,
+    with_usage_requested,
+)
 
 logger = logging.getLogger("sal_gateway.proxy")
 
@@ -123,6 +132,8 @@ class _Exchange:
     ticket: Ticket
     start_s: float
     prompt_tokens: int
+    strip_usage: bool = False
+    """The gateway asked for usage on the client's behalf: remove the usage event."""
     client_gone: bool = False
 
 
@@ -244,6 +255,9 @@ class Forwarder:
         tried: set[str] = set()
         last_error: Exception | None = None
         failed_url = ""
+        # Ask streams for usage (beta and token counters need it) without the client seeing it.
+        injected = with_usage_requested(inbound.body) if inbound.stream else None
+        body = raw_body if injected is None else injected
         for _attempt in range(self._routing.max_retries + 1):
             try:
                 url = self.select(model, prompt_tokens, tried)
@@ -254,9 +268,11 @@ class Forwarder:
             if last_error is not None:  # this is a retry of what failed on `failed_url`
                 self._metrics.retries.labels(model=model, backend=failed_url).inc()
             ticket = self._table.route(model, url, prompt_tokens)
-            ex = _Exchange(model, url, ticket, time.perf_counter(), prompt_tokens)
+            ex = _Exchange(
+                model, url, ticket, time.perf_counter(), prompt_tokens, injected is not None
+            )
             try:
-                resp = await self._open(url + path, raw_body, headers)
+                resp = await self._open(url + path, body, headers)
             except _RETRYABLE as exc:
                 StateTable.release(ticket)
                 self._table.mark_suspect(model, url)
@@ -352,7 +368,8 @@ class Forwarder:
         send: Send,
     ) -> None:
         """Relay `resp`'s body to the client as it arrives; settle metrics and accounting."""
-        tail = b""
+        tail = b""  # the last bytes relayed: where the client's own usage event is
+        stripper = UsageStripper() if ex.strip_usage else None
         first = True
         status = 200
         try:
@@ -367,15 +384,21 @@ class Forwarder:
                         self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
                             time.perf_counter() - ex.start_s
                         )
+                    if stripper is not None:
+                        chunk = stripper.feed(chunk)
+                        if not chunk:
+                            continue
                     tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
                 if not ex.client_gone:
-                    await send(self._stream_error(ex, exc, tail))
+                    held = stripper.flush() if stripper is not None else b""
+                    await send(self._stream_error(ex, exc, tail + held, held))
             if ex.client_gone:
                 status = 499  # nginx's "client closed request"
             else:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                held = stripper.flush() if stripper is not None else b""
+                await send({"type": "http.response.body", "body": held, "more_body": False})
         except BaseException:  # cancelled (shutdown) or the send failed
             status = 499
             raise
@@ -384,10 +407,16 @@ class Forwarder:
                 resp.release()
             else:
                 resp.close()  # closing the upstream connection makes vLLM abort the request
-            self._finish(ex, status, usage_from_sse_tail(tail) if status == 200 else None)
+            usage = None
+            if status == 200:
+                usage = stripper.usage if stripper is not None else usage_from_sse_tail(tail)
+            self._finish(ex, status, usage)
 
-    def _stream_error(self, ex: _Exchange, exc: BaseException, tail: bytes) -> Message:
-        """The body message that ends a stream broken after its first byte."""
+    def _stream_error(
+        self, ex: _Exchange, exc: BaseException, tail: bytes, held: bytes = b""
+    ) -> Message:
+        """The body message that ends a stream broken after its first byte: `held` (bytes
+        the usage stripper still held), then the error event and ``[DONE]``."""
         self._metrics.stream_errors.labels(model=ex.model, backend=ex.backend).inc()
         logger.warning("stream from %s broke: %s: %s", ex.backend, type(exc).__name__, exc)
         err = UpstreamError(
@@ -398,6 +427,6 @@ class Forwarder:
         prefix = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
         return {
             "type": "http.response.body",
-            "body": prefix + sse_error_event(err),
+            "body": held + prefix + sse_error_event(err),
             "more_body": True,
         }

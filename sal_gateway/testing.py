@@ -393,9 +393,11 @@ class ServedApp:
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._server is None or self._thread is None:
             return
-        self._server.should_exit = True
-        self._server.force_exit = True
+        self._server.should_exit = True  # graceful: open requests get 1 s, then are cut
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(timeout_s)
         self._server = None
         self._thread = None
 

@@ -3,13 +3,15 @@
 The proxy calls `usage_from_json()` on every non-streaming 200 body and
 `usage_from_sse_tail()` on the last bytes of every finished stream; the counts feed
 `BetaEstimator` and ``sal_output_tokens_total``. vLLM puts ``usage`` in non-streaming responses
-always, and in the last SSE chunk only when the client asked with
-``stream_options.include_usage``.
+always, and in a last, usage-only SSE event only when asked with
+``stream_options.include_usage``; for streams whose client did not ask, the proxy asks on its
+behalf (`with_usage_requested`) and removes that event again (`UsageStripper`).
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 USAGE_TAIL_BYTES = 16384
 """How much of a stream's end the proxy keeps to find the usage chunk."""
@@ -50,3 +52,67 @@ def usage_from_sse_tail(tail: bytes) -> tuple[int, int] | None:
         if found is not None:
             return found
     return None
+
+
+def with_usage_requested(body: dict[str, Any]) -> bytes | None:
+    """For a streaming body whose client did not ask for usage: the body re-encoded with
+    ``stream_options.include_usage`` on (and ``continuous_usage_stats`` off, so no other chunk
+    changes); None when the client asked for usage itself (forward its bytes untouched)."""
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return None
+    merged = dict(options) if isinstance(options, dict) else {}
+    merged["include_usage"] = True
+    merged["continuous_usage_stats"] = False
+    return json.dumps({**body, "stream_options": merged}).encode()
+
+
+def _usage_only_event(event: bytes) -> tuple[int, int] | None:
+    """The usage of an SSE event that carries nothing but usage (``choices: []``), else None."""
+    line = event.strip()
+    if not line.startswith(b"data:") or b'"usage"' not in line:
+        return None
+    try:
+        obj = json.loads(line[5:])
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(obj, dict) or obj.get("choices") != []:
+        return None
+    return _usage_of(obj)
+
+
+class UsageStripper:
+    """Removes, from a stream, the usage-only event the gateway asked for on the client's
+    behalf (`with_usage_requested`), keeping its counts in `usage`.
+
+    Events are passed on whole: bytes of an event not yet terminated by a blank line wait for
+    the rest (at most one event's worth), everything else is relayed as it arrives.
+    """
+
+    def __init__(self) -> None:
+        self._carry = b""
+        self.usage: tuple[int, int] | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The part of `chunk` (with earlier held bytes) to relay now."""
+        data = self._carry + chunk if self._carry else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._carry = data
+            return b""
+        complete, self._carry = data[: end + 2], data[end + 2 :]
+        if b'"usage"' not in complete:
+            return complete
+        kept = []
+        for event in complete.split(b"\n\n")[:-1]:
+            usage = _usage_only_event(event)
+            if usage is None:
+                kept.append(event + b"\n\n")
+            else:
+                self.usage = usage
+        return b"".join(kept)
+
+    def flush(self) -> bytes:
+        """Bytes still held (an unterminated last event), to relay as they are."""
+        held, self._carry = self._carry, b""
+        return held

@@ -54,12 +54,15 @@ def gateway_config(
     tokenizer: Path | None,
     policy: str = "sal",
     model: str = "tiny",
+    max_model_len: int | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A config dict in the documented ``config.yaml`` shape."""
     model_cfg: dict[str, Any] = {"name": model, "backends": backends}
     if tokenizer is not None:
         model_cfg["tokenizer"] = str(tokenizer)
+    if max_model_len is not None:
+        model_cfg["max_model_len"] = max_model_len
     config: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": port},
         "models": [model_cfg],

@@ -198,14 +198,16 @@ def test_requests_spread_over_both_backends(
     assert metric(samples, "sal_requests_total", model=MODEL, status="200") >= 4
 
 
-def test_sigterm_stops_the_gateway_cleanly(tmp_path: Path, fakes: Fakes) -> None:
-    port = free_port(19900, 20000)
+def test_port_flag_overrides_config_and_sigterm_stops_cleanly(tmp_path: Path, fakes: Fakes) -> None:
+    config_port = free_port(19900, 19950)
+    port = free_port(19950, 20000)
+    config = gateway_config(config_port, fakes.urls, tokenizer=None)
     config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(gateway_config(port, fakes.urls, tokenizer=None)))
+    config_path.write_text(yaml.safe_dump(config))
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [str(SAL_GATEWAY_SCRIPT), "serve", "--config", str(config_path)],
+            [str(SAL_GATEWAY_SCRIPT), "serve", "--config", str(config_path), "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -213,6 +215,8 @@ def test_sigterm_stops_the_gateway_cleanly(tmp_path: Path, fakes: Fakes) -> None
         )
     try:
         wait_ok(f"http://127.0.0.1:{port}/health", proc, log_path, 60.0)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{config_port}/health", timeout=2.0)
         proc.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal so the process reports
         # how it ended (exit status -SIGTERM); either way it must be gone promptly.

@@ -1,11 +1,12 @@
 """Real vLLM-on-CPU replicas started by ``sal-engine serve``: `/stats` and LARRY's ordering.
 
-Two replica starts for the whole module (each ~1-2 min and ~3 GB on a shared CPU box), both
-under memory pressure on purpose (``--max-num-seqs 1``: one request runs, the rest queue):
+Three replica starts for the whole module (each ~1-2 min and ~3 GB on a shared CPU box):
 
-* LARRY with two API servers: `/stats` schema and values against vLLM's own `/metrics` at
+* LARRY with two API servers, under memory pressure on purpose (``--max-num-seqs 1``: one
+  request runs, the rest queue): `/stats` schema and values against vLLM's own `/metrics` at
   rest and under load, from both API servers; then a burst of long and short prompts.
-* stats-only FCFS: the same burst, for the contrast.
+* stats-only FCFS, same pressure: the same burst, for the contrast.
+* LARRY with ``--data-parallel-size 2``: `/stats` aggregates both engines and lists them.
 
 Ordering is asserted as an order of first tokens, never as a duration.
 """
@@ -18,6 +19,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MODEL = "tiny"
 LARRY_PORT = 20010
 FCFS_PORT = 20011
+DP_PORT = 20012
 PRESSURE_ARGS = ("--served-model-name", MODEL, "--max-num-seqs", "1")
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$")
@@ -48,15 +51,27 @@ def fcfs_url(tiny_model_dir: Path) -> Iterator[str]:
         yield url
 
 
-def vllm_gauges(metrics_text: str) -> dict[str, float]:
-    """vLLM's engine gauges from a `/metrics` body (one engine)."""
+@pytest.fixture(scope="module")
+def dp_url(tiny_model_dir: Path) -> Iterator[str]:
+    extra = ("--served-model-name", MODEL, "--data-parallel-size", "2")
+    with run_replica(tiny_model_dir, DP_PORT, scheduler="larry", extra_args=extra) as url:
+        yield url
+
+
+def vllm_gauges(metrics_text: str, engine: str = "0") -> dict[str, float]:
+    """vLLM's gauges for one engine (label ``engine``) from a `/metrics` body."""
     gauges: dict[str, float] = {}
     for line in metrics_text.splitlines():
         m = _METRIC.match(line)
-        if m and m.group(1) in (
-            "vllm:num_requests_waiting",
-            "vllm:num_requests_running",
-            "vllm:kv_cache_usage_perc",
+        if (
+            m
+            and f'engine="{engine}"' in m.group(2)
+            and m.group(1)
+            in (
+                "vllm:num_requests_waiting",
+                "vllm:num_requests_running",
+                "vllm:kv_cache_usage_perc",
+            )
         ):
             gauges[m.group(1)] = float(m.group(3))
     return gauges
@@ -77,14 +92,14 @@ def token_prompt(n_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n_tokens)]
 
 
-async def first_token_order(
-    url: str, requests: list[tuple[str, int, float]], *, max_tokens: int = 32
-) -> list[str]:
-    """Send streaming completions ``(name, prompt_tokens, send_at_s)``; return the names in
-    the order their first token arrived."""
+async def first_token_order(url: str, requests: list[tuple[str, int, float, int]]) -> list[str]:
+    """Send streaming completions ``(name, prompt_tokens, send_at_s, max_tokens)``; return
+    the names in the order their first token arrived."""
     order: list[str] = []
 
-    async def one(client: httpx.AsyncClient, name: str, n_tokens: int, delay_s: float) -> None:
+    async def one(
+        client: httpx.AsyncClient, name: str, n_tokens: int, delay_s: float, max_tokens: int
+    ) -> None:
         await asyncio.sleep(delay_s)
         body = {
             "model": MODEL,
@@ -103,16 +118,17 @@ async def first_token_order(
 
     timeout = httpx.Timeout(300.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client, asyncio.TaskGroup() as tg:
-        for name, n_tokens, delay_s in requests:
-            tg.create_task(one(client, name, n_tokens, delay_s))
+        for name, n_tokens, delay_s, max_tokens in requests:
+            tg.create_task(one(client, name, n_tokens, delay_s, max_tokens))
     return order
 
 
-# Longs are sent first (50 ms apart), shorts 0.3 s later, while the longs still queue
-# behind the one running request.
+# Longs are sent first (50 ms apart), shorts from 0.3 s on, while the longs still queue
+# behind the one running request: each long decodes 96 tokens, so the last one cannot start
+# before ~3 x 96 engine steps have passed, however fast the machine.
 BURST = [
-    *((f"long{i}", 1200, 0.05 * i) for i in range(4)),
-    *((f"short{i}", 16, 0.3 + 0.05 * i) for i in range(4)),
+    *((f"long{i}", 1200, 0.05 * i, 96) for i in range(4)),
+    *((f"short{i}", 16, 0.3 + 0.05 * i, 8) for i in range(4)),
 ]
 
 
@@ -156,13 +172,13 @@ def test_stats_at_rest_follows_the_contract_and_agrees_with_metrics(larry_url: s
 
 def test_stats_under_load_agrees_with_metrics_on_both_api_servers(larry_url: str) -> None:
     # One request runs at a time (--max-num-seqs 1), so these queue for several seconds.
-    load = [(f"load{i}", 600, 0.02 * i) for i in range(8)]
+    load = [(f"load{i}", 600, 0.02 * i, 160) for i in range(8)]
     samples: list[dict[str, object]] = []
     agreed_busy = 0
 
     async def poll_while_loaded() -> None:
         nonlocal agreed_busy
-        task = asyncio.create_task(first_token_order(larry_url, load, max_tokens=160))
+        task = asyncio.create_task(first_token_order(larry_url, load))
         stats_url, fresh = f"{larry_url}/stats", {"connection": "close"}
         async with httpx.AsyncClient(timeout=10.0) as client:
             while not task.done():
@@ -195,7 +211,7 @@ def test_larry_gives_short_prompts_their_first_token_before_queued_long_ones(
     larry_url: str,
 ) -> None:
     order = asyncio.run(first_token_order(larry_url, BURST))
-    assert sorted(order) == sorted(name for name, _, _ in BURST)
+    assert sorted(order) == sorted(name for name, *_ in BURST)
     last_long = max(_position(order, f"long{i}") for i in range(4))
     assert all(_position(order, f"short{i}") < last_long for i in range(4)), order
     # At most the long prompts that started before the shorts arrived go first.
@@ -210,3 +226,39 @@ def test_fcfs_makes_short_prompts_wait_behind_long_ones(fcfs_url: str) -> None:
         stats = parse_stats(client.get(f"{fcfs_url}/stats").json())
     assert stats.scheduler == "fcfs"
     assert stats.alpha is None
+
+
+# Data parallelism ----------------------------------------------------------------------------
+
+
+def test_data_parallel_stats_aggregate_both_engines(dp_url: str) -> None:
+    load = [(f"dp{i}", 300, 0.0, 400) for i in range(6)]
+
+    async def sample_under_load() -> list[dict[str, Any]]:
+        task = asyncio.create_task(first_token_order(dp_url, load))
+        seen: list[dict[str, Any]] = []
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            while not task.done():
+                seen.append((await client.get(f"{dp_url}/stats")).json())
+                await asyncio.sleep(0.05)
+        await task
+        return seen
+
+    samples = asyncio.run(sample_under_load())
+    for body in samples:
+        total = parse_stats(body)
+        ranks = body["dp_ranks"]
+        per_rank = [parse_stats(r) for r in ranks]
+        assert [r["dp_rank"] for r in ranks] == [0, 1]
+        assert total.num_running == sum(r.num_running for r in per_rank)
+        assert total.kv_blocks_free == sum(r.kv_blocks_free for r in per_rank)
+        assert total.kv_blocks_total == 2 * per_rank[0].kv_blocks_total
+        assert total.time == min(r.time for r in per_rank)
+    # vLLM spread the requests over both engines, and /stats saw both busy.
+    busiest = max(samples, key=lambda b: parse_stats(b).num_running)
+    assert all(parse_stats(r).num_running > 0 for r in busiest["dp_ranks"])
+    with httpx.Client(timeout=10.0) as client:
+        body = client.get(f"{dp_url}/stats").json()
+        metrics = client.get(f"{dp_url}/metrics").text
+    for rank in body["dp_ranks"]:
+        assert agree(rank, vllm_gauges(metrics, engine=str(rank["dp_rank"])))

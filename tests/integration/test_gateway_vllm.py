@@ -25,13 +25,16 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.gateway_support import free_port, gateway_config, metric, run_gateway, scrape_metrics
-from tests.vllm_support import run_replica
+from tests.vllm_support import DEFAULT_ARGS, run_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MODEL = "tiny"
 # Forced output lengths keep generation short and deterministic in size.
 MAX_TOKENS = 4
+# What tests/vllm_support.py starts the replicas with (`--max-model-len`); the gateway is told
+# the same, as an operator would configure it.
+MAX_MODEL_LEN = int(DEFAULT_ARGS[DEFAULT_ARGS.index("--max-model-len") + 1])
 IGNORE_EOS = {"ignore_eos": True}
 
 
@@ -88,7 +91,9 @@ def replicas(tiny_model_dir: Path) -> Iterator[list[str]]:
 @pytest.fixture(scope="class")
 def gateway(replicas: list[str], tiny_model_dir: Path) -> Iterator[str]:
     port = free_port(19500, 19600)
-    config = gateway_config(port, replicas, tokenizer=tiny_model_dir, policy="sal")
+    config = gateway_config(
+        port, replicas, tokenizer=tiny_model_dir, policy="sal", max_model_len=MAX_MODEL_LEN
+    )
     with run_gateway(config) as url:
         yield url
 
@@ -290,6 +295,20 @@ class TestPatchedPair:
         served = [_replica_requests(r) - b for r, b in zip(replicas, before, strict=True)]
         assert sum(served) == 16
         assert all(n > 0 for n in served), served
+
+    def test_overlong_prompt_rejected_like_vllm(
+        self, client: openai.OpenAI, gateway: str, replicas: list[str]
+    ) -> None:
+        prompt = [5] * (MAX_MODEL_LEN + 1)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        direct = httpx.post(f"{replicas[0]}/v1/completions", json=body, timeout=30.0)
+        assert direct.status_code == 400  # what vLLM itself answers
+        before = metric(scrape_metrics(gateway), "sal_requests_total", backend="none", status="400")
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert str(MAX_MODEL_LEN) in str(info.value)
+        after = metric(scrape_metrics(gateway), "sal_requests_total", backend="none", status="400")
+        assert after - before == 1  # answered by the gateway, never sent to a replica
 
     def test_vllm_rejection_passes_through(self, client: openai.OpenAI) -> None:
         # vLLM answers 400 for a negative temperature; the gateway relays status and body.

@@ -23,7 +23,10 @@ from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
 @pytest.fixture(scope="module")
 def rig(tiny_model_dir: Path) -> Iterator[Rig]:
-    with gateway_rig(2, tokenizer=tiny_model_dir, max_model_len=256) as r:
+    # Generous staleness and poll timeouts: on a loaded CI box a slow poll must not make a
+    # backend ineligible in the middle of a routing assertion (the fault tests cover that).
+    relaxed = {"stale_after_s": 5.0, "poll_timeout_s": 2.0, "eject_after_failures": 5}
+    with gateway_rig(2, tokenizer=tiny_model_dir, max_model_len=256, routing=relaxed) as r:
         yield r
 
 
@@ -72,6 +75,20 @@ def test_chat_non_streaming_and_streaming(client: openai.OpenAI) -> None:
     assert text == " tok" * 4
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_stream_usage_counted_without_the_client_seeing_it(rig: Rig) -> None:
+    before = metric(rig.metrics(), "sal_output_tokens_total", model=MODEL) or 0.0
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{rig.url}/v1/completions", json=body) as resp:
+        relayed = resp.read()
+    events = [e for e in relayed.split(b"\n\n") if e]
+    assert len(events) == 7  # six token chunks and [DONE]: no usage event
+    assert b'"usage"' not in relayed
+    assert events[-1] == b"data: [DONE]"
+    assert metric(rig.metrics(), "sal_output_tokens_total", model=MODEL) == before + 6
+    answered = [r for f in rig.fakes for r in f.received if r.get("max_tokens") == 6]
+    assert answered[-1]["stream_options"]["include_usage"] is True  # asked on its behalf
 
 
 def test_unknown_fields_reach_the_backend_untouched(rig: Rig, client: openai.OpenAI) -> None:

@@ -19,7 +19,6 @@ from sal_gateway.errors import (
 )
 from sal_gateway.proxy import sse_error_event
 from sal_gateway.request_body import Endpoint, parse_body
-from sal_gateway.usage import usage_from_json, usage_from_sse_tail
 
 
 @pytest.mark.parametrize(
@@ -101,16 +100,3 @@ def test_sse_error_event_ends_the_stream() -> None:
     first, done = event.split(b"\n\n")[:2]
     assert json.loads(first[len(b"data: ") :])["error"]["message"] == "broke"
     assert done == b"data: [DONE]"
-
-
-def test_usage_is_read_from_json_and_from_the_stream_tail() -> None:
-    assert usage_from_json(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 7}}') == (5, 7)
-    assert usage_from_json(b'{"choices": []}') is None
-    assert usage_from_json(b"garbage") is None
-    tail = (
-        b'data: {"choices": [{"text": "a"}]}\n\n'
-        b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
-        b"data: [DONE]\n\n"
-    )
-    assert usage_from_sse_tail(tail) == (3, 2)
-    assert usage_from_sse_tail(b'data: {"choices": [], "usage": null}\n\n') is None

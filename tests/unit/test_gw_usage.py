@@ -1,0 +1,71 @@
+"""Usage from responses, and asking streams for usage without the client seeing it."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sal_gateway.usage import (
+    UsageStripper,
+    usage_from_json,
+    usage_from_sse_tail,
+    with_usage_requested,
+)
+
+CHUNK = b'data: {"id": "c", "choices": [{"index": 0, "text": " tok"}]}\n\n'
+USAGE = (
+    b'data: {"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+
+
+def test_usage_is_read_from_json_and_from_the_stream_tail() -> None:
+    assert usage_from_json(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 7}}') == (5, 7)
+    assert usage_from_json(b'{"choices": []}') is None
+    assert usage_from_json(b"garbage") is None
+    assert usage_from_sse_tail(CHUNK + USAGE + DONE) == (3, 2)
+    assert usage_from_sse_tail(b'data: {"choices": [], "usage": null}\n\n') is None
+
+
+def test_usage_is_requested_only_when_the_client_did_not() -> None:
+    asked = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    assert with_usage_requested(asked) is None
+    body = {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+        "ignore_eos": True,
+    }
+    sent = json.loads(with_usage_requested(body) or b"")
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    assert sent["ignore_eos"] is True
+    assert body["stream_options"] == {"continuous_usage_stats": True}  # caller's dict untouched
+
+
+@settings(deadline=None)  # timing is not what this checks
+@given(st.lists(st.integers(1, 40), max_size=30))
+def test_stripper_removes_only_the_usage_event_at_any_chunking(cuts: list[int]) -> None:
+    stream = CHUNK * 3 + USAGE + DONE
+    stripper = UsageStripper()
+    relayed = b""
+    pos = 0
+    for cut in cuts:
+        relayed += stripper.feed(stream[pos : pos + cut])
+        pos += cut
+    relayed += stripper.feed(stream[pos:]) + stripper.flush()
+    assert relayed == CHUNK * 3 + DONE
+    assert stripper.usage == (3, 2)
+
+
+def test_stripper_keeps_usage_inside_normal_chunks_and_held_bytes() -> None:
+    stripper = UsageStripper()
+    continuous = (
+        b'data: {"choices": [{"text": "a"}], '
+        b'"usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n'
+    )
+    assert stripper.feed(continuous) == continuous
+    assert stripper.usage is None
+    assert stripper.feed(b"data: {partial") == b""
+    assert stripper.flush() == b"data: {partial"
