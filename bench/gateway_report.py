@@ -53,6 +53,12 @@ def _latency_table(rows: list[dict[str, Any]]) -> str:
 
 def print_report(report: dict[str, Any]) -> None:
     """Print every section of ``report`` (sections missing from it are left out)."""
+    sizing = report["sizing"]
+    print(
+        f"Gateway routing policy: {report.get('policy', 'sal')}; load cells of "
+        f"{sizing['duration_s']} s (paced {sizing['paced_duration_s']} s), at most "
+        f"{sizing['max_requests']} requests each."
+    )
     print("\n## Added latency, saturating: SSE, 8 tokens, no delays (ms, full response)\n")
     print(_latency_table(report["added_latency"]))
     paced = report["paced_profile"]

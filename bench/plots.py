@@ -57,7 +57,9 @@ _FLEET_PANELS: tuple[tuple[str, str], ...] = (
 
 
 def plot_fleet(rows: Sequence[Row], title: str, path: Path) -> None:
-    """Grouped bars: engine schedulers on x, one bar per router, 2x2 metric panels (log y)."""
+    """Grouped bars: engine schedulers on x, one bar per router, 2x2 metric panels.
+
+    Linear y axes from 0, so bar heights compare honestly."""
     schedulers = list(dict.fromkeys(r["scheduler"] for r in rows))
     routers = list(dict.fromkeys(r["router"] for r in rows))
     width = 0.8 / max(1, len(routers))
@@ -71,9 +73,9 @@ def plot_fleet(rows: Sequence[Row], title: str, path: Path) -> None:
             xs = [i + (j - (len(routers) - 1) / 2) * width for i in range(len(schedulers))]
             ax.bar(xs, values, width=width, label=router)
         ax.set_xticks(range(len(schedulers)), schedulers)
-        ax.set_yscale("log")
+        ax.set_ylim(bottom=0)
         ax.set_ylabel(label)
-        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.grid(True, axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=80)

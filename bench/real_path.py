@@ -59,10 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--profile", default="llama3-8b-a100")
     parser.add_argument("--scheduler", default="larry")
-    parser.add_argument("--load-factor", type=float, default=2.0, help="trace load factor")
-    parser.add_argument("--duration-s", type=float, default=30.0, help="trace window (s)")
+    parser.add_argument("--load-factor", type=float, default=4.0, help="trace load factor")
+    parser.add_argument("--duration-s", type=float, default=120.0, help="trace window (s)")
     parser.add_argument("--max-output", type=int, default=64, help="clip output lengths")
-    parser.add_argument("--time-scale", type=float, default=3.0, help="wall s per modelled s")
+    parser.add_argument("--time-scale", type=float, default=4.0, help="wall s per modelled s")
     parser.add_argument(
         "--routers", default="sal,p2c,random,round_robin,least_requests", help="comma list"
     )

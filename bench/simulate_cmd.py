@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             "summary": result.summary.to_dict(),
             "routed_per_replica": result.routed_per_replica,
             "engine_steps": result.steps,
+            "final_beta": result.final_beta,
         }
         print(json.dumps(body, indent=2, allow_nan=False, default=str))
     else:

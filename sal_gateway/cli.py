@@ -32,6 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="path to config.yaml")
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
+    demo = sub.add_parser(
+        "demo",
+        help="run the gateway in front of N emulated vLLM replicas (no GPU needed)",
+        description="The gateway in front of emulated vLLM replicas in one process; "
+        "optionally drives a built-in load and prints a summary.",
+    )
+    from sal_gateway import demo as demo_module
+
+    demo_module.add_arguments(demo)
     return parser
 
 
@@ -73,6 +82,10 @@ def _one_line(exc: Exception) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sal-gateway`` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from sal_gateway import demo as demo_module
+
+        return demo_module.main(args)
     try:
         config = _with_listen(load_config(args.config), args.host, args.port)
         if not 0 <= config.listen.port <= 65535:

@@ -14,17 +14,18 @@ Ordering is asserted as an order of first tokens, never as a duration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from sal_gateway.stats import parse_stats
+from sal_gateway.stats import ReplicaStats, parse_stats
 from tests.vllm_support import run_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -92,10 +93,12 @@ def token_prompt(n_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n_tokens)]
 
 
-async def first_token_order(url: str, requests: list[tuple[str, int, float, int]]) -> list[str]:
+async def first_token_order(
+    url: str, requests: list[tuple[str, int, float, int]], *, into: list[str] | None = None
+) -> list[str]:
     """Send streaming completions ``(name, prompt_tokens, send_at_s, max_tokens)``; return
-    the names in the order their first token arrived."""
-    order: list[str] = []
+    the names in the order their first token arrived (appended to `into` if given)."""
+    order: list[str] = [] if into is None else into
 
     async def one(
         client: httpx.AsyncClient, name: str, n_tokens: int, delay_s: float, max_tokens: int
@@ -123,17 +126,51 @@ async def first_token_order(url: str, requests: list[tuple[str, int, float, int]
     return order
 
 
-# Longs are sent first (50 ms apart), shorts from 0.3 s on, while the longs still queue
-# behind the one running request: each long decodes 96 tokens, so the last one cannot start
-# before ~3 x 96 engine steps have passed, however fast the machine.
-BURST = [
-    *((f"long{i}", 1200, 0.05 * i, 96) for i in range(4)),
-    *((f"short{i}", 16, 0.3 + 0.05 * i, 8) for i in range(4)),
-]
+async def _wait_for_stats(
+    client: httpx.AsyncClient, url: str, what: str, ok: Callable[[ReplicaStats], bool]
+) -> None:
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline:
+        if ok(parse_stats((await client.get(f"{url}/stats")).json())):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"replica never reached: {what}")
 
 
-def _position(order: list[str], name: str) -> int:
-    return order.index(name)
+def _waiting_is(n: int) -> Callable[[ReplicaStats], bool]:
+    return lambda stats: stats.num_waiting == n
+
+
+async def queued_burst_order(url: str, burst: list[tuple[str, int]]) -> list[str]:
+    """Queue every ``(name, prompt_tokens)`` of `burst` behind a blocker, then release them.
+
+    A blocker request (short prompt, ~2000 forced output tokens) takes the only running slot
+    (``--max-num-seqs 1``); the burst requests are sent one at a time, each after `/stats`
+    shows the previous one waiting, so their arrival order is exact whatever the machine's
+    speed. Then the blocker is cancelled (client disconnect: vLLM aborts it) and the engine
+    admits the queued requests one by one, in its scheduler's order — which the returned
+    first-token order shows.
+    """
+    order: list[str] = []
+    timeout = httpx.Timeout(300.0, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        blocker = asyncio.create_task(first_token_order(url, [("blocker", 16, 0.0, 2000)], into=[]))
+        await _wait_for_stats(client, url, "blocker running", lambda s: s.num_running == 1)
+        burst_tasks = []
+        for i, (name, n_tokens) in enumerate(burst):
+            burst_tasks.append(
+                asyncio.create_task(first_token_order(url, [(name, n_tokens, 0.0, 4)], into=order))
+            )
+            await _wait_for_stats(client, url, f"{i + 1} requests queued", _waiting_is(i + 1))
+        blocker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await blocker
+        await asyncio.gather(*burst_tasks)
+    return order
+
+
+BURST = [*((f"long{i}", 1200) for i in range(4)), *((f"short{i}", 16) for i in range(4))]
+"""Four 1,200-token prompts (10 KV blocks each on CPU), then four 16-token ones (1 block)."""
 
 
 # /stats --------------------------------------------------------------------------------------
@@ -210,17 +247,13 @@ def test_stats_under_load_agrees_with_metrics_on_both_api_servers(larry_url: str
 def test_larry_gives_short_prompts_their_first_token_before_queued_long_ones(
     larry_url: str,
 ) -> None:
-    order = asyncio.run(first_token_order(larry_url, BURST))
-    assert sorted(order) == sorted(name for name, *_ in BURST)
-    last_long = max(_position(order, f"long{i}") for i in range(4))
-    assert all(_position(order, f"short{i}") < last_long for i in range(4)), order
-    # At most the long prompts that started before the shorts arrived go first.
-    first_short = min(_position(order, f"short{i}") for i in range(4))
-    assert first_short <= 2, order
+    order = asyncio.run(queued_burst_order(larry_url, BURST))
+    # Short prompts first (1 block vs 10, with 8 queued), each group in arrival order.
+    assert order == [f"short{i}" for i in range(4)] + [f"long{i}" for i in range(4)]
 
 
 def test_fcfs_makes_short_prompts_wait_behind_long_ones(fcfs_url: str) -> None:
-    order = asyncio.run(first_token_order(fcfs_url, BURST))
+    order = asyncio.run(queued_burst_order(fcfs_url, BURST))
     assert order == [f"long{i}" for i in range(4)] + [f"short{i}" for i in range(4)]
     with httpx.Client(timeout=10.0) as client:
         stats = parse_stats(client.get(f"{fcfs_url}/stats").json())

@@ -6,9 +6,12 @@ stopped; one stock replica (no patch, no ``/stats``) for the second class exerci
 
 What a user would notice if it broke: completions and chat answer through the gateway
 (streaming and not); the gateway's prompt-token count (``sal_prompt_tokens_total``) equals
-vLLM's own ``usage.prompt_tokens`` for text, token-ID, batched and chat prompts; a burst of
-requests spreads over both replicas; ``/ready`` says ready; a stock replica is usable and
-reported as such.
+vLLM's own ``usage.prompt_tokens`` for text, token-ID, batched and chat prompts and with the
+request options that change the count; a prompt over the context is refused by the gateway as
+vLLM refuses it; vLLM's own 400s pass through; a burst of requests spreads over both
+replicas; ``/ready`` says ready; a stock replica is usable and reported as such.
+
+Three vLLM starts in all (the two patched ones in parallel), at most two replicas at a time.
 """
 
 from __future__ import annotations

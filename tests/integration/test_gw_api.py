@@ -143,8 +143,12 @@ def test_sal_routes_to_the_less_loaded_backend(rig: Rig, client: openai.OpenAI) 
     try:
         for loaded, free in ((a, b), (b, a)):
             loaded.stats, free.stats = busy, idle
-            name = loaded.name
-            wait_until(lambda: _polled_queue(rig, name) >= 200_000)  # noqa: B023 (used at once)
+
+            # Both polls must have landed (the pollers run independently of each other).
+            def both_polled(busy: str = loaded.name, idle: str = free.name) -> bool:
+                return _polled_queue(rig, busy) >= 200_000 and _polled_queue(rig, idle) == 0
+
+            wait_until(both_polled)
             before = free.generation_requests
             for _ in range(5):
                 client.completions.create(model=MODEL, prompt="route me", max_tokens=1)

@@ -63,7 +63,14 @@ def test_connect_failure_before_first_byte_is_retried_on_the_other_backend() -> 
 
 
 def test_hanging_stats_makes_backend_stale_and_not_chosen() -> None:
-    with gateway_rig(2, routing={"policy": "round_robin"}) as rig:
+    # Staleness (1 s) comes before ejection (10 timed-out polls of 0.5 s).
+    routing = {
+        "policy": "round_robin",
+        "stale_after_s": 1.0,
+        "poll_timeout_s": 0.5,
+        "eject_after_failures": 10,
+    }
+    with gateway_rig(2, routing=routing) as rig:
         a, _b = rig.fakes
         a.behaviour.stats_hang = True
         a_url = rig.served[0].url
@@ -73,13 +80,14 @@ def test_hanging_stats_makes_backend_stale_and_not_chosen() -> None:
         assert a.generation_requests == before
         age = metric(rig.metrics(), "sal_backend_state_age_seconds", backend=a_url)
         assert age is not None
-        assert age > 0.6
+        assert age > 1.0
+        assert metric(rig.metrics(), "sal_backend_ejections_total", backend=a_url) is None
         a.behaviour.stats_hang = False
         wait_until(lambda: metric(rig.metrics(), "sal_backend_healthy", backend=a_url) == 1.0)
 
 
 def test_all_backends_gone_gives_503_and_not_ready() -> None:
-    with gateway_rig(1) as rig:
+    with gateway_rig(1, routing={"stale_after_s": 0.6, "poll_timeout_s": 0.3}) as rig:
         rig.fakes[0].behaviour.stats_hang = True
         wait_until(lambda: httpx.get(f"{rig.url}/ready").status_code == 503)
         resp = _complete(rig.url)
@@ -182,18 +190,22 @@ def test_mid_stream_failure_raises_in_the_openai_sdk() -> None:
 
 
 def test_stock_vllm_without_stats_uses_metrics_fallback() -> None:
-    with gateway_rig(2, routing={"policy": "sal"}) as rig:
+    relaxed = {"policy": "sal", "stale_after_s": 5.0, "poll_timeout_s": 2.0}
+    with gateway_rig(2, routing=relaxed) as rig:
         a, b = rig.fakes
         a.behaviour.stats_status = 404
         b.behaviour.stats_status = 404
         a.metrics_kv_usage = 1.0  # a is full: SAL must prefer b
         a_url, b_url = (s.url for s in rig.served)
-        wait_until(
-            lambda: (
-                metric(rig.metrics(), "sal_backend_stats_source", backend=a_url, source="metrics")
-                == 1.0
+
+        def both_on_metrics() -> bool:
+            text = rig.metrics()
+            return all(
+                metric(text, "sal_backend_stats_source", backend=url, source="metrics") == 1.0
+                for url in (a_url, b_url)
             )
-        )
+
+        wait_until(both_on_metrics)
         text = rig.metrics()
         assert metric(text, "sal_backend_stats_source", backend=b_url, source="metrics") == 1.0
         assert metric(text, "sal_backend_free_kv_tokens", backend=a_url) == 0.0

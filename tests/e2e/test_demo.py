@@ -1,0 +1,56 @@
+"""The README's first quick-start command: the gateway in front of emulated replicas."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_serves_the_builtin_load_through_every_replica(tiny_model_dir: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    argv = [
+        sys.executable,
+        "-m",
+        "sal_gateway.cli",
+        "demo",
+        "--port",
+        "0",
+        "--replicas",
+        "3",
+        "--requests",
+        "24",
+        "--rate-per-s",
+        "12",
+        "--time-scale",
+        "0.2",
+        "--exit-after-load",
+        "--model-dir",
+        str(tiny_model_dir),
+    ]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert re.search(r"SAL gateway \(sal\) on http://127\.0\.0\.1:\d+ in front of 3 emulated", out)
+    assert "succeeded            24/24" in out
+    shares = re.findall(r"routed to http://127\.0\.0\.1:\d+\s+([\d.]+)%", out)
+    assert len(shares) == 3, out  # SAL spread the load over every replica
+    assert sum(float(s) for s in shares) == pytest.approx(100.0, abs=0.5)
+
+
+def test_demo_rejects_impossible_flags() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sal_gateway.cli", "demo", "--replicas", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--replicas must be >= 1, got 0" in done.stderr
