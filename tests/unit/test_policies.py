@@ -145,3 +145,28 @@ def test_random_spreads_over_all_eligible() -> None:
 def test_unknown_policy_name_lists_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown routing policy 'fastest'.*least_requests"):
         make_policy("fastest")
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool=pool_st, request=request_st)
+def test_sal_select_is_the_argmin_of_sal_load(
+    pool: list[BackendView], request: RouteRequest
+) -> None:
+    """The inlined hot loop in `SAL.select` agrees with the documented formula."""
+    eligible = [i for i, b in enumerate(pool) if b.eligible]
+    if not eligible:
+        return
+    loads = {
+        i: sal_load(
+            request.prompt_tokens,
+            pool[i].free_kv_tokens,
+            pool[i].queued_prefill_tokens,
+            pool[i].max_num_batched_tokens,
+            request.beta,
+        )
+        for i in eligible
+    }
+    expected = min(eligible, key=lambda i: (loads[i], i))
+    decision = make_policy("sal").select(request, pool)
+    assert decision.index == expected
+    assert decision.score == pytest.approx(loads[expected])
