@@ -398,6 +398,27 @@ def run_staleness(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], No
     return rows
 
 
+def model_sources() -> dict[str, str]:
+    """SHA-256 (first 12 hex digits) of the code the numbers depend on, to spot stale results."""
+    import hashlib
+    import importlib
+
+    out: dict[str, str] = {}
+    for name in (
+        "engine_sim.engine",
+        "engine_sim.schedulers",
+        "engine_sim.cost_model",
+        "engine_sim.simulator",
+        "engine_patch.larry",
+        "sal_gateway.policies",
+        "sal_gateway.beta",
+    ):
+        module = importlib.import_module(name)
+        source = Path(str(module.__file__)).read_bytes()
+        out[name] = hashlib.sha256(source).hexdigest()[:12]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.report import write_report
 
@@ -426,6 +447,7 @@ def run(args: argparse.Namespace) -> int:
         "plan": {k: getattr(plan, k) for k in plan.__dataclass_fields__},
         "base_load": {f"{w}/{p}": v for (w, p), v in BASE_LOAD.items()},
         "wall_s": round(time.perf_counter() - started, 1),
+        "model_sources_sha256": model_sources(),
     }
     (args.out / "results.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n"

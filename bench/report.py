@@ -255,6 +255,9 @@ def write_report(rows: Sequence[Row], meta: dict[str, Any], out_dir: Path) -> No
         f"fleet runs the first {plan['fleet_window_s']:g} s (trace time, before load scaling); "
         "every request runs to completion. Times in seconds unless stated. See "
         "`docs/simulator.md` for the method and the comparison with the paper.\n",
+        "Code the numbers depend on (sha256, first 12 hex digits; rerun when they change): "
+        + ", ".join(f"`{k}` {v}" for k, v in meta.get("model_sources_sha256", {}).items())
+        + "\n",
         "## Claims\n",
         *_larry_claims(single),
         *_sal_claims(fleet),
