@@ -307,8 +307,8 @@ def run_fleets(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], None]
 
 
 def run_ablation(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], None]) -> list[Row]:
-    """What-if: SAL with ties broken by fewest in-flight requests (`bench.ablations`), LARRY."""
-    from bench.ablations import SalFewestInFlightTies
+    """What-if: SAL with ties broken by position, as the paper allows (`bench.ablations`), LARRY."""
+    from bench.ablations import SalPositionTies
 
     rows: list[Row] = []
     for profile, replicas in plan.fleets:
@@ -324,11 +324,11 @@ def run_ablation(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], Non
                     scheduler="larry",
                     alpha=1.0,
                     seed=seed,
-                    policy=SalFewestInFlightTies(seed),
+                    policy=SalPositionTies(seed),
                 )
                 log(
                     f"(what-if) {replicas}x{profile} {workload} {load_x:g}x larry "
-                    f"sal_inflight_ties: p50 TGT {summary['tgt_p50_s']:.3f}s ({wall_s:.1f}s)"
+                    f"sal_position_ties: p50 TGT {summary['tgt_p50_s']:.3f}s ({wall_s:.1f}s)"
                 )
                 rows.append(
                     {
@@ -336,7 +336,7 @@ def run_ablation(plan: Plan, data_dir: Path, seed: int, log: Callable[[str], Non
                         "workload": workload,
                         "profile": profile,
                         "replicas": replicas,
-                        "router": SalFewestInFlightTies.name,
+                        "router": SalPositionTies.name,
                         "scheduler": "larry",
                         "load_x": load_x,
                         "trace_load_factor": factor,

@@ -167,9 +167,10 @@ def _ablation_table(fleet: Sequence[Row], ablation: Sequence[Row]) -> list[str]:
     if not ablation:
         return []
     out = [
-        "### What-if: SAL with ties broken by fewest in-flight requests (LARRY engines)\n",
-        "Not a product policy (`bench/ablations.py`): the product's SAL breaks ties by "
-        "position, so while queues are empty it sends work to the first replicas. TGT in s.\n",
+        "### What-if: SAL with ties broken by position (LARRY engines)\n",
+        "Not a product policy (`bench/ablations.py`): the paper-literal stable tie-break. "
+        "While queues are empty every SAL load is equal, so it sends work to the first "
+        "replicas; the product's SAL breaks ties by fewest in-flight requests. TGT in s.\n",
         "| fleet | workload | load | SAL p50 / p95 TGT | what-if p50 / p95 TGT | "
         "best other p50 / p95 TGT | SAL p50 TTFT | what-if p50 TTFT |",
         "|---|---|---:|---:|---:|---:|---:|---:|",

@@ -114,7 +114,10 @@ def test_sal_load_matches_the_paper_formula() -> None:
     assert sal_load(1_000, 9_000, 3_000, 1_000, 2.0) == pytest.approx(4.0)
 
 
-def test_sal_ties_go_to_the_first_backend() -> None:
+def test_sal_ties_go_to_fewer_in_flight_then_the_first_backend() -> None:
+    # Idle fleet: equal loads. Decode work must not pile up on the first backend.
+    pool = [_view(0, in_flight=3), _view(1, in_flight=1), _view(2, in_flight=1)]
+    assert make_policy("sal").select(RouteRequest(prompt_tokens=10), pool).index == 1
     pool = [_view(0), _view(1), _view(2)]
     assert make_policy("sal").select(RouteRequest(prompt_tokens=10), pool).index == 0
 
@@ -166,7 +169,7 @@ def test_sal_select_is_the_argmin_of_sal_load(
         )
         for i in eligible
     }
-    expected = min(eligible, key=lambda i: (loads[i], i))
+    expected = min(eligible, key=lambda i: (loads[i], pool[i].in_flight, i))
     decision = make_policy("sal").select(request, pool)
     assert decision.index == expected
     assert decision.score == pytest.approx(loads[expected])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ablations import SalFewestInFlightTies
+from bench.ablations import SalPositionTies
 from engine_sim.cost_model import PROFILES, CostProfile, prefill_time_s
 from engine_sim.engine import EngineConfig, EngineModel, SimRequest, StepResult
 from engine_sim.simulator import (
@@ -167,13 +167,13 @@ def test_progress_is_reported_up_to_the_total() -> None:
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
 
 
-def test_the_what_if_sal_variant_breaks_ties_by_in_flight_and_spreads_load() -> None:
+def test_sal_breaks_ties_by_in_flight_and_spreads_load_unlike_the_position_variant() -> None:
     # Sequential short requests that never overlap in prefill: SAL's loads tie at every
-    # decision, so the product SAL keeps choosing replica 0 while the variant spreads them
-    # by in-flight count.
+    # decision. The product SAL spreads them by in-flight count; the paper-literal
+    # position tie-break (the what-if variant) keeps choosing replica 0.
     reqs = [TraceRequest(0.5 * i, 100, 200) for i in range(8)]
     product = simulate(reqs, replicas=4, router=RouterConfig("sal"))
-    variant = simulate(reqs, replicas=4, policy=SalFewestInFlightTies())
-    assert product.routed_per_replica[0] == 8
-    assert min(variant.routed_per_replica) >= 1
-    assert max(variant.routed_per_replica) <= 3
+    variant = simulate(reqs, replicas=4, policy=SalPositionTies())
+    assert variant.routed_per_replica[0] == 8
+    assert min(product.routed_per_replica) >= 1
+    assert max(product.routed_per_replica) <= 3
