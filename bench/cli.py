@@ -25,10 +25,47 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+def _remainder(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*", help="passed on unchanged (see its --help)")
+
+
+def _run_gateway_bench(args: argparse.Namespace) -> int:
+    from bench import gateway_bench
+
+    return gateway_bench.main(list(args.args))
+
+
+def _run_larry_vllm_bench(args: argparse.Namespace) -> int:
+    from bench import larry_vllm_bench
+
+    return larry_vllm_bench.main(list(args.args))
+
+
+_PASSTHROUGH: dict[str, Callable[[argparse.Namespace], int]] = {
+    "gateway": _run_gateway_bench,
+    "larry-vllm": _run_larry_vllm_bench,
+}
+"""Commands with a parser of their own: everything after the name goes to it unparsed
+(argparse cannot forward ``--options`` through a subparser reliably)."""
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("simulate", simulate_cmd.HELP, simulate_cmd.configure, simulate_cmd.run),
     Command("experiments", experiments.HELP, experiments.configure, experiments.run),
     Command("real-path", real_path.HELP, real_path.configure, real_path.run),
+    Command(
+        "gateway",
+        "gateway overhead vs direct, throughput, decision and tokenization time "
+        "(= python -m bench.gateway_bench)",
+        _remainder,
+        _run_gateway_bench,
+    ),
+    Command(
+        "larry-vllm",
+        "LARRY vs FCFS on one real vLLM-on-CPU replica (= python -m bench.larry_vllm_bench)",
+        _remainder,
+        _run_larry_vllm_bench,
+    ),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 
@@ -47,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sal-bench`` console script; returns the exit code."""
+    raw = sys.argv[1:] if argv is None else list(argv)
+    if raw and raw[0] in _PASSTHROUGH:
+        return _PASSTHROUGH[raw[0]](argparse.Namespace(args=raw[1:]))
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(raw)
     run: Callable[[argparse.Namespace], int] = args._run
     return run(args)
 
