@@ -115,3 +115,25 @@ def test_check_length_mirrors_vllm() -> None:
 def test_missing_tokenizer_dir_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError, match="offline"):
         load_model_tokenizer(str(tmp_path / "absent"), None)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_fast_backend_path_counts_like_the_transformers_wrapper(
+    counter: PromptCounter, add_special_tokens: bool
+) -> None:
+    """The gateway encodes with the Rust backend directly; it must agree with the wrapper
+    (what vLLM calls) on awkward text: unicode, whitespace runs, special-token strings."""
+    hf = counter.hf_tokenizer
+    texts = [
+        "",
+        " ",
+        "plain words of a prompt",
+        "  leading and trailing  \n\n\t spaces ",
+        "ünïcödé — 漢字 and emoji 🚀🚀",
+        "<s> literal special tokens </s> inside <|user|> text",
+        "x" * 5000,
+    ]
+    for text in texts:
+        expected = len(hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+        req = _req(Endpoint.COMPLETIONS, prompt=text, add_special_tokens=add_special_tokens)
+        assert counter.count_sync(req).total == expected, text
