@@ -14,9 +14,9 @@ Ordering is asserted as an order of first tokens, never as a duration.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,14 +126,13 @@ async def first_token_order(
     return order
 
 
-async def _wait_for_stats(
-    client: httpx.AsyncClient, url: str, what: str, ok: Callable[[ReplicaStats], bool]
-) -> None:
+def _wait_for_stats(url: str, what: str, ok: Callable[[ReplicaStats], bool]) -> None:
     deadline = time.monotonic() + 120.0
-    while time.monotonic() < deadline:
-        if ok(parse_stats((await client.get(f"{url}/stats")).json())):
-            return
-        await asyncio.sleep(0.02)
+    with httpx.Client(timeout=10.0) as client:
+        while time.monotonic() < deadline:
+            if ok(parse_stats(client.get(f"{url}/stats").json())):
+                return
+            time.sleep(0.02)
     raise AssertionError(f"replica never reached: {what}")
 
 
@@ -141,31 +140,67 @@ def _waiting_is(n: int) -> Callable[[ReplicaStats], bool]:
     return lambda stats: stats.num_waiting == n
 
 
-async def queued_burst_order(url: str, burst: list[tuple[str, int]]) -> list[str]:
+def _stream_in_thread(
+    url: str,
+    name: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    order: list[str],
+    stop: threading.Event,
+) -> threading.Thread:
+    """Stream one completion in a thread, appending `name` to `order` at its first token;
+    closing early (a client disconnect, which vLLM turns into an abort) when `stop` is set."""
+    body = {
+        "model": MODEL,
+        "prompt": token_prompt(prompt_tokens, seed=sum(map(ord, name))),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    def run() -> None:
+        with (
+            httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if stop.is_set():
+                    return
+                # Only this thread appends `name`; list.append is atomic.
+                is_chunk = line.startswith("data: ") and line != "data: [DONE]"
+                if is_chunk and name not in order:
+                    order.append(name)
+
+    thread = threading.Thread(target=run, name=f"request-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def queued_burst_order(url: str, burst: list[tuple[str, int]]) -> list[str]:
     """Queue every ``(name, prompt_tokens)`` of `burst` behind a blocker, then release them.
 
     A blocker request (short prompt, ~2000 forced output tokens) takes the only running slot
     (``--max-num-seqs 1``); the burst requests are sent one at a time, each after `/stats`
     shows the previous one waiting, so their arrival order is exact whatever the machine's
-    speed. Then the blocker is cancelled (client disconnect: vLLM aborts it) and the engine
-    admits the queued requests one by one, in its scheduler's order — which the returned
-    first-token order shows.
+    speed. Then the blocker disconnects (vLLM aborts it) and the engine admits the queued
+    requests one by one, in its scheduler's order — which the returned first-token order
+    shows. Plain threads, so a busy client thread cannot delay the `/stats` polling.
     """
     order: list[str] = []
-    timeout = httpx.Timeout(300.0, connect=10.0)
-    async with httpx.AsyncClient(timeout=timeout) as client:
-        blocker = asyncio.create_task(first_token_order(url, [("blocker", 16, 0.0, 2000)], into=[]))
-        await _wait_for_stats(client, url, "blocker running", lambda s: s.num_running == 1)
-        burst_tasks = []
-        for i, (name, n_tokens) in enumerate(burst):
-            burst_tasks.append(
-                asyncio.create_task(first_token_order(url, [(name, n_tokens, 0.0, 4)], into=order))
-            )
-            await _wait_for_stats(client, url, f"{i + 1} requests queued", _waiting_is(i + 1))
-        blocker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await blocker
-        await asyncio.gather(*burst_tasks)
+    blocker_order: list[str] = []
+    stop_blocker = threading.Event()
+    never = threading.Event()
+    blocker = _stream_in_thread(url, "blocker", 16, 2000, blocker_order, stop_blocker)
+    _wait_for_stats(url, "blocker running", lambda s: s.num_running == 1)
+    threads = []
+    for i, (name, n_tokens) in enumerate(burst):
+        threads.append(_stream_in_thread(url, name, n_tokens, 4, order, never))
+        _wait_for_stats(url, f"{i + 1} requests queued", _waiting_is(i + 1))
+    stop_blocker.set()
+    blocker.join(timeout=300)
+    for thread in threads:
+        thread.join(timeout=300)
     return order
 
 
@@ -247,13 +282,13 @@ def test_stats_under_load_agrees_with_metrics_on_both_api_servers(larry_url: str
 def test_larry_gives_short_prompts_their_first_token_before_queued_long_ones(
     larry_url: str,
 ) -> None:
-    order = asyncio.run(queued_burst_order(larry_url, BURST))
+    order = queued_burst_order(larry_url, BURST)
     # Short prompts first (1 block vs 10, with 8 queued), each group in arrival order.
     assert order == [f"short{i}" for i in range(4)] + [f"long{i}" for i in range(4)]
 
 
 def test_fcfs_makes_short_prompts_wait_behind_long_ones(fcfs_url: str) -> None:
-    order = asyncio.run(queued_burst_order(fcfs_url, BURST))
+    order = queued_burst_order(fcfs_url, BURST)
     assert order == [f"long{i}" for i in range(4)] + [f"short{i}" for i in range(4)]
     with httpx.Client(timeout=10.0) as client:
         stats = parse_stats(client.get(f"{fcfs_url}/stats").json())
