@@ -145,6 +145,7 @@ async def _real_run(requests: Sequence[Any], args: argparse.Namespace, router: s
                 log_level="warning",
                 access_log=False,
                 lifespan="on",
+                timeout_keep_alive=max(1, round(config.listen.keep_alive_s)),
             )
         )
         task = asyncio.create_task(server.serve())

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from sal_gateway import __version__
-from sal_gateway.config import ConfigError, GatewayConfig, ListenConfig, load_config
+from sal_gateway.config import ConfigError, GatewayConfig, load_config
 from sal_gateway.tokenizer import TokenizerLoadError
 
 EXIT_BAD_CONFIG = 2
@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _with_listen(config: GatewayConfig, host: str | None, port: int | None) -> GatewayConfig:
-    listen = ListenConfig(
+    listen = dataclasses.replace(
+        config.listen,
         host=config.listen.host if host is None else host,
         port=config.listen.port if port is None else port,
     )
@@ -72,6 +73,7 @@ def serve(config: GatewayConfig) -> None:
         log_level=config.log_level,
         access_log=False,  # one line per request costs ~10% throughput; metrics cover it
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=max(1, round(config.listen.keep_alive_s)),
     )
 
 

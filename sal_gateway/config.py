@@ -44,6 +44,10 @@ class ListenConfig:
     """Interface address to bind."""
     port: int = 8080
     """TCP port (0 picks a free one)."""
+    keep_alive_s: float = 75.0
+    """Seconds an idle client connection is kept open. Longer than the usual client pool
+    expiry (httpx and the OpenAI SDK: 5 s), so the server never closes a connection just as a
+    client reuses it (which the client sees as a read error on its next request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +205,11 @@ def _listen(path: str, data: Mapping[str, Any]) -> ListenConfig:
     port = _as_int(f"{path}.port", data.get("port", d.port), 0)
     if port > 65535:
         raise ConfigError(f"{path}.port: must be <= 65535, got {port}")
-    return ListenConfig(host=_as_str(f"{path}.host", data.get("host", d.host)), port=port)
+    return ListenConfig(
+        host=_as_str(f"{path}.host", data.get("host", d.host)),
+        port=port,
+        keep_alive_s=_as_float(f"{path}.keep_alive_s", data.get("keep_alive_s", d.keep_alive_s)),
+    )
 
 
 def _discovery(path: str, data: Mapping[str, Any]) -> DiscoveryConfig:

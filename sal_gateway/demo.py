@@ -204,6 +204,7 @@ async def run_demo(options: DemoOptions) -> None:
                 log_level="warning",
                 access_log=False,
                 timeout_graceful_shutdown=2,
+                timeout_keep_alive=max(1, round(config.listen.keep_alive_s)),
             )
         )
         serve_task = asyncio.create_task(server.serve())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sal_gateway import __version__, cli
-from sal_gateway.config import ConfigError, build_config, load_config
+from sal_gateway.config import ConfigError, ListenConfig, build_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -164,3 +164,18 @@ def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--version"])
     assert exc.value.code == 0
     assert __version__ in capsys.readouterr().out
+
+
+def test_keep_alive_outlasts_client_pools_by_default_and_is_configurable(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models: [{name: m, backends: ['http://127.0.0.1:1']}]\nlisten: {keep_alive_s: 120}\n"
+    )
+    assert load_config(path).listen.keep_alive_s == 120.0
+    # httpx and the OpenAI SDK expire idle pooled connections after 5 s.
+    assert ListenConfig().keep_alive_s > 5.0
+    path.write_text(
+        "models: [{name: m, backends: ['http://127.0.0.1:1']}]\nlisten: {keep_alive_s: 0}\n"
+    )
+    with pytest.raises(ConfigError, match=r"listen\.keep_alive_s"):
+        load_config(path)
