@@ -16,16 +16,15 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from sal_gateway.stats import ReplicaStats, parse_stats
+from sal_gateway.stats import parse_stats
 from tests.vllm_support import run_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -126,77 +125,12 @@ async def first_token_order(
     return order
 
 
-def _wait_for_stats(url: str, what: str, ok: Callable[[ReplicaStats], bool]) -> None:
-    deadline = time.monotonic() + 120.0
-    with httpx.Client(timeout=10.0) as client:
-        while time.monotonic() < deadline:
-            if ok(parse_stats(client.get(f"{url}/stats").json())):
-                return
-            time.sleep(0.02)
-    raise AssertionError(f"replica never reached: {what}")
-
-
-def _stream_in_thread(
-    url: str,
-    name: str,
-    prompt_tokens: int,
-    max_tokens: int,
-    order: list[str],
-    stop: threading.Event,
-) -> threading.Thread:
-    """Stream one completion in a thread, appending `name` to `order` at its first token;
-    closing early (a client disconnect, which vLLM turns into an abort) when `stop` is set."""
-    body = {
-        "model": MODEL,
-        "prompt": token_prompt(prompt_tokens, seed=sum(map(ord, name))),
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-
-    def run() -> None:
-        with (
-            httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as client,
-            client.stream("POST", f"{url}/v1/completions", json=body) as response,
-        ):
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if stop.is_set():
-                    return
-                # Only this thread appends `name`; list.append is atomic.
-                is_chunk = line.startswith("data: ") and line != "data: [DONE]"
-                if is_chunk and name not in order:
-                    order.append(name)
-
-    thread = threading.Thread(target=run, name=f"request-{name}", daemon=True)
-    thread.start()
-    return thread
-
-
-def burst_order(url: str, longs: list[tuple[str, int]], shorts: list[tuple[str, int]]) -> list[str]:
-    """Send the long prompts, wait until `/stats` shows all but one of them queued behind the
-    running one (``--max-num-seqs 1``), then send the short prompts; return the order of
-    first tokens. Each long decodes 96 tokens, so the queue lasts while the shorts arrive.
-    Plain threads, so a busy client thread cannot delay the `/stats` polling."""
-    order: list[str] = []
-    never = threading.Event()
-    threads = []
-    for name, n_tokens in longs:
-        threads.append(_stream_in_thread(url, name, n_tokens, 96, order, never))
-        time.sleep(0.02)  # keep the longs' arrival order
-    _wait_for_stats(url, "the long prompts queued", lambda s: s.num_waiting >= len(longs) - 1)
-    for name, n_tokens in shorts:
-        threads.append(_stream_in_thread(url, name, n_tokens, 4, order, never))
-        time.sleep(0.02)
-    for thread in threads:
-        thread.join(timeout=300)
-    return order
-
-
-LONGS = [(f"long{i}", 600) for i in range(4)]
-"""600-token prompts: 5 KV blocks each on CPU (block size 128)."""
-SHORTS = [(f"short{i}", 16) for i in range(4)]
-"""16-token prompts: 1 block each."""
+# Longs are sent first (50 ms apart), shorts from 0.3 s on, while the longs still queue
+# behind the one running request (``--max-num-seqs 1``).
+BURST = [
+    *((f"long{i}", 1200, 0.05 * i, 32) for i in range(4)),
+    *((f"short{i}", 16, 0.3 + 0.05 * i, 32) for i in range(4)),
+]
 
 
 # /stats --------------------------------------------------------------------------------------
@@ -273,23 +207,18 @@ def test_stats_under_load_agrees_with_metrics_on_both_api_servers(larry_url: str
 def test_larry_gives_short_prompts_their_first_token_before_queued_long_ones(
     larry_url: str,
 ) -> None:
-    order = burst_order(larry_url, LONGS, SHORTS)
-    assert sorted(order) == sorted(name for name, _ in LONGS + SHORTS)
-    # The shorts arrive while three longs queue: they are admitted before every queued long
-    # (1 block vs 5, with up to 7 queued); at most the long that was running goes first.
-    first_short = min(order.index(name) for name, _ in SHORTS)
-    last_short = max(order.index(name) for name, _ in SHORTS)
-    assert first_short <= 1, order
-    assert last_short == first_short + 3, order
+    order = asyncio.run(first_token_order(larry_url, BURST))
+    assert sorted(order) == sorted(name for name, *_ in BURST)
+    last_long = max(order.index(f"long{i}") for i in range(4))
+    assert all(order.index(f"short{i}") < last_long for i in range(4)), order
+    # At most the long prompts that started before the shorts arrived go first.
+    first_short = min(order.index(f"short{i}") for i in range(4))
+    assert first_short <= 2, order
 
 
 def test_fcfs_makes_short_prompts_wait_behind_long_ones(fcfs_url: str) -> None:
-    order = burst_order(fcfs_url, LONGS, SHORTS)
-    assert sorted(order) == sorted(name for name, _ in LONGS + SHORTS)
-    # Arrival order: every queued long before every short.
-    assert max(order.index(name) for name, _ in LONGS) < min(
-        order.index(name) for name, _ in SHORTS
-    ), order
+    order = asyncio.run(first_token_order(fcfs_url, BURST))
+    assert order == [f"long{i}" for i in range(4)] + [f"short{i}" for i in range(4)]
     with httpx.Client(timeout=10.0) as client:
         stats = parse_stats(client.get(f"{fcfs_url}/stats").json())
     assert stats.scheduler == "fcfs"
