@@ -35,7 +35,7 @@ import httpx
 from engine_patch import tiny_model
 from engine_patch.replica import LocalReplica, replica_command
 
-DEFAULT_TRACE = Path("/work/shared/data/AzureLLMInferenceTrace_conv.csv")
+DEFAULT_TRACE = Path("../shared/data/AzureLLMInferenceTrace_conv.csv")
 SERVED_NAME = "tiny"
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 

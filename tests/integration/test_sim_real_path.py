@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
+from tests.conftest import SHARED_DATA
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ def test_real_path_serves_every_request_and_reports_both_paths(
     args = [
         "real-path",
         "--trace",
-        "/work/shared/data/AzureLLMInferenceTrace_conv.csv",
+        str(SHARED_DATA / "AzureLLMInferenceTrace_conv.csv"),
         "--replicas",
         "2",
         "--duration-s",

@@ -12,6 +12,7 @@ import pytest
 from bench import experiments
 from bench.cli import COMMANDS, main
 from bench.progress import ProgressBar
+from tests.conftest import SHARED_DATA
 
 CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -125,7 +126,7 @@ def test_experiments_write_tables_and_plots(
     )
     monkeypatch.setattr(experiments, "QUICK", tiny)
     out = tmp_path / "results"
-    data = "/work/shared/data"
+    data = str(SHARED_DATA)
     assert main(["experiments", "--quick", "--out", str(out), "--data-dir", data]) == 0
     report = (out / "results.md").read_text()
     assert "LARRY vs the next-best engine scheduler" in report

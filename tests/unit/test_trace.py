@@ -19,8 +19,9 @@ from engine_sim.trace import (
     scale_load,
     with_gamma_arrivals,
 )
+from tests.conftest import SHARED_DATA
 
-DATA = Path("/work/shared/data")
+DATA = SHARED_DATA
 CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
