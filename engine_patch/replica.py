@@ -43,6 +43,12 @@ CPU_ENV: dict[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's CPU worker binds spinning OpenMP threads to the cores it does not reserve; on a
+    # 2-core machine that starved the API server, which then held new requests back (they
+    # reached the engine only after the running stream ended). One unbound thread leaves the
+    # API server room; the tiny model does not need more.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
 }
 
 STOP_GRACE_S = 20.0
