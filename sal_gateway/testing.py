@@ -79,6 +79,9 @@ class FakeBehaviour:
     """``/stats`` never answers."""
     stats_status: int = 200
     """``/stats`` status; 404 makes it look like stock vLLM."""
+    stall_after_chunks: int | None = None
+    """Streams: after the headers and this many SSE chunks, send nothing more but keep the
+    connection open until the client goes away (0: a frozen engine behind a live API server)."""
 
 
 @dataclass(slots=True)
@@ -262,6 +265,9 @@ class FakeBackend:
                 return
             if b.close_after_chunks is not None and n_chunks >= b.close_after_chunks:
                 raise ConnectionAbortedError("fake backend crashed mid-stream")
+            if b.stall_after_chunks is not None and n_chunks >= b.stall_after_chunks:
+                await gone.wait()
+                return
             k = min(b.tokens_per_chunk, output_tokens - sent)
             sent += k
             n_chunks += 1
