@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # A vLLM replica with the LARRY scheduler and the `GET /stats` endpoint (engine_patch).
 #
 #   docker build -f deploy/engine.Dockerfile -t sal-engine:vllm-0.32.0 .
@@ -7,8 +6,16 @@
 # against (pyproject's `vllm` extra). engine_patch plugs in through vLLM's own hooks
 # (--scheduler-cls, --middleware), so upgrading vLLM means: bump VLLM_VERSION here and in
 # pyproject.toml, run the vLLM-marked tests, rebuild (docs/deployment.md, "Upgrading vLLM").
+#
+# The base is a build argument: any image that already has this vLLM version and a Python
+# with pip stands in (a mirror of the official image, or one built locally), e.g.
+#   docker build -f deploy/engine.Dockerfile --build-arg ENGINE_BASE_IMAGE=my/vllm:0.32.0 \
+#     --build-arg PYTHON=/opt/venv/bin/python .
 ARG VLLM_VERSION=0.32.0
-FROM vllm/vllm-openai:v${VLLM_VERSION}
+ARG ENGINE_BASE_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
+FROM ${ENGINE_BASE_IMAGE}
+# The interpreter vLLM is installed into (the official image's is `python3` on PATH).
+ARG PYTHON=python3
 
 COPY pyproject.toml README.md* /tmp/sal/
 COPY sal_gateway/ /tmp/sal/sal_gateway/
@@ -17,7 +24,7 @@ COPY engine_sim/ /tmp/sal/engine_sim/
 COPY bench/ /tmp/sal/bench/
 # --no-deps: the base image already has everything engine_patch imports (vLLM, FastAPI,
 # PyYAML); resolving the gateway's dependency list here could move vLLM's own pins.
-RUN python3 -m pip install --no-cache-dir --no-deps /tmp/sal \
+RUN "${PYTHON}" -m pip install --no-cache-dir --no-deps /tmp/sal \
     && rm -rf /tmp/sal
 
 ENV VLLM_NO_USAGE_STATS=1 \

@@ -3,7 +3,9 @@
 #
 # Creates .venv (Python >= 3.11) if missing, installs the project with its test and CPU-vLLM
 # extras, then runs ruff, mypy and every test tier, real vLLM-on-CPU tests included.
-# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not vllm"` for a quick pass.
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not vllm"` for a quick pass, or
+# `-m "not compose"` to leave out the Docker run of the compose stack (it needs root: as in CI,
+# tests/e2e/test_compose_smoke.py installs Docker from Debian and starts dockerd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

