@@ -1,0 +1,370 @@
+"""Fault injection against real vLLM-on-CPU replicas (tiny dummy model) behind the gateway.
+
+Two patched replicas (LARRY + ``/stats``) are shared by the module; the gateway runs as a CLI
+child process. Each scenario picks as its victim the replica that runs a long stream:
+
+* a client disconnect through the gateway aborts the request in vLLM (``/stats`` shows
+  nothing running soon after, the generated-token counter stops, vLLM counts an abort);
+* SIGSTOP of the engine process alone (its API server keeps serving ``/stats`` from shared
+  memory with a frozen heartbeat): the open stream ends with an SSE error event after the
+  idle timeout, new requests stop going there, and after SIGCONT the engine drops what the
+  gateway abandoned;
+* SIGSTOP of the whole API server: the open stream ends with an error event, requests sent
+  to it are cancelled at the stream-header timeout and answered by the other replica, and
+  after SIGCONT vLLM does not run them to the end (nothing generated twice);
+* SIGKILL of the replica mid-stream, then a restart on the same port: the stream ends with an
+  error event at once, new requests go to the other replica, the restarted one is used again.
+
+Every client request ends as exactly one answer or one explicit error; the number of requests
+vLLM finished (``vllm:request_success_total`` with reason stop/length, summed over both
+replicas) equals the number of good answers the clients got. Measured times are printed
+(``-s``). Run under ``flock /tmp/sal-vllm.lock``; ~2 vLLM starts plus one restart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.faultload import MetricsTimeline, TrackedLoad, metric_sum, parse_metrics
+from bench.processes import PortAllocator
+from engine_patch.replica import LocalReplica, replica_command
+from tests.fault_support import (
+    LoadRun,
+    background_load,
+    engine_core_pid,
+    measured,
+    replica_busy,
+    replica_counters,
+    wait_for,
+)
+from tests.gateway_support import gateway_config, run_gateway
+from tests.vllm_support import DEFAULT_ARGS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = "tiny"
+MAX_MODEL_LEN = int(DEFAULT_ARGS[DEFAULT_ARGS.index("--max-model-len") + 1])
+HEADER_TIMEOUT_S = 3.0
+IDLE_TIMEOUT_S = 5.0
+AVOID_BOUND_S = 6.0
+"""Generous "stops routing there" bound on a 2-core box; the target (2 s) is reported."""
+LONG = {"max_tokens": 1500, "ignore_eos": True}
+
+
+@dataclass
+class VllmFleet:
+    gateway: str
+    replicas: list[LocalReplica]
+
+    def metrics(self) -> dict[Any, float]:
+        return parse_metrics(httpx.get(f"{self.gateway}/metrics", timeout=5.0).text)
+
+    def healthy(self, replica: LocalReplica) -> bool:
+        return metric_sum(self.metrics(), "sal_backend_healthy", backend=replica.base_url) == 1.0
+
+    def finished(self) -> float:
+        """Requests vLLM ran to the end (stop or length), both replicas together."""
+        total = 0.0
+        for r in self.replicas:
+            counters = replica_counters(r.base_url)
+            total += counters.get("success_stop", 0.0) + counters.get("success_length", 0.0)
+        return total
+
+    def settle(self) -> None:
+        """Wait until both replicas are idle and eligible again."""
+        for r in self.replicas:
+            wait_for(lambda r=r: replica_busy(r.base_url) == 0, 30.0, f"{r.base_url} idle")
+            wait_for(lambda r=r: self.healthy(r), 30.0, f"{r.base_url} eligible")
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
+    ports = PortAllocator(22000, 22100)
+    replicas = [
+        LocalReplica(
+            replica_command(tiny_model_dir, port, extra_args=("--served-model-name", MODEL)),
+            port,
+        )
+        for port in (ports.take(), ports.take())
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:  # the two ~60 s start-ups overlap
+            for future in [pool.submit(r.start) for r in replicas]:
+                future.result()
+        config = gateway_config(
+            ports.take(),
+            [r.base_url for r in replicas],
+            tokenizer=tiny_model_dir,
+            max_model_len=MAX_MODEL_LEN,
+            extra={
+                "routing": {
+                    "policy": "sal",
+                    "poll_interval_s": 0.1,
+                    "poll_timeout_s": 0.5,
+                    "stale_after_s": 1.0,
+                    "eject_after_failures": 3,
+                },
+                "proxy": {
+                    "connect_timeout_s": 1.0,
+                    "stream_header_timeout_s": HEADER_TIMEOUT_S,
+                    "stream_idle_timeout_s": IDLE_TIMEOUT_S,
+                    "total_timeout_s": 120.0,
+                },
+                "log_level": "warning",
+            },
+        )
+        with run_gateway(config) as url:
+            yield VllmFleet(url, replicas)
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+@dataclass
+class LongStream:
+    """One long streaming completion through the gateway, read in a thread."""
+
+    gateway: str
+    events: list[str] = field(default_factory=list)
+    ended_at: float | None = None
+    _response: httpx.Response | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> LongStream:
+        threading.Thread(target=self._read, daemon=True).start()
+        wait_for(lambda: len(self.events) >= 3, 60.0, "the long stream's first tokens")
+        return self
+
+    def _read(self) -> None:
+        body = {"model": MODEL, "prompt": "tell me a long story", "stream": True, **LONG}
+        try:
+            with httpx.stream(
+                "POST", f"{self.gateway}/v1/completions", json=body, timeout=120.0
+            ) as resp:
+                self._response = resp
+                for line in resp.iter_lines():
+                    if line.startswith("data:"):
+                        self.events.append(line[5:].strip())
+                    if self._stop.is_set():
+                        break
+        except httpx.HTTPError as exc:
+            self.events.append(f"transport error: {exc!r}")
+        self.ended_at = time.monotonic()
+
+    def close(self) -> None:
+        """The client goes away (closes its connection mid-stream)."""
+        self._stop.set()
+        wait_for(lambda: self.ended_at is not None, 30.0, "the reader to stop")
+
+    @property
+    def ended_with_error_event(self) -> bool:
+        return (
+            len(self.events) >= 2
+            and self.events[-1] == "[DONE]"
+            and self.events[-2].startswith('{"error"')
+        )
+
+
+def _victim(fleet: VllmFleet) -> LocalReplica:
+    """The replica running the long stream."""
+    busy = [r for r in fleet.replicas if replica_busy(r.base_url) > 0]
+    assert len(busy) == 1, "expected exactly one busy replica"
+    return busy[0]
+
+
+def _load(fleet: VllmFleet, prefix: str) -> tuple[TrackedLoad, MetricsTimeline]:
+    load = TrackedLoad(
+        fleet.gateway,
+        model=MODEL,
+        rate_per_s=4.0,
+        concurrency=16,
+        max_tokens=8,
+        hang_s=60.0,
+        id_prefix=prefix,
+    )
+    return load, MetricsTimeline(fleet.gateway, interval_s=0.1)
+
+
+def _check_outcomes(run: LoadRun) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for o in run.outcomes:
+        kinds[o.kind] = kinds.get(o.kind, 0) + 1
+    assert len(run.outcomes) == run.load.sent
+    assert not kinds.get("lost"), [o for o in run.outcomes if o.kind == "lost"]
+    assert not kinds.get("duplicated"), [o for o in run.outcomes if o.kind == "duplicated"]
+    return kinds
+
+
+def _aborted_in_vllm(victim: LocalReplica) -> float:
+    """Wait until `victim` runs nothing and its token counter stops; seconds it took."""
+    took = wait_for(lambda: replica_busy(victim.base_url) == 0, 20.0, "vLLM idle")
+    before = replica_counters(victim.base_url)["generation_tokens"]
+    time.sleep(1.5)
+    assert replica_counters(victim.base_url)["generation_tokens"] == before
+    return took
+
+
+def test_client_disconnect_aborts_the_request_in_vllm(fleet: VllmFleet) -> None:
+    fleet.settle()
+    stream = LongStream(fleet.gateway).start()
+    victim = _victim(fleet)
+    before = replica_counters(victim.base_url)
+    gw_before = fleet.metrics()
+    closed_at = time.monotonic()
+    stream.close()
+    abort_s = _aborted_in_vllm(victim)
+    after = replica_counters(victim.base_url)
+    assert after.get("success_abort", 0) - before.get("success_abort", 0) == 1
+    assert after.get("success_length", 0) == before.get("success_length", 0)
+    cancels = metric_sum(fleet.metrics(), "sal_upstream_cancels_total") - metric_sum(
+        gw_before, "sal_upstream_cancels_total"
+    )
+    measured(
+        "client disconnect (vLLM)",
+        idle_in_vllm_after_s=abort_s,
+        tokens_generated=int(after["generation_tokens"] - before["generation_tokens"]),
+        since_close_s=time.monotonic() - closed_at,
+        gateway_upstream_cancels=int(cancels),
+    )
+
+
+def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet) -> None:
+    fleet.settle()
+    stream = LongStream(fleet.gateway).start()
+    victim = _victim(fleet)
+    assert victim.proc is not None
+    engine = engine_core_pid(victim.proc.pid)
+    finished_before = fleet.finished()
+    with background_load(*_load(fleet, "engine-stop-")) as run:
+        frozen_at = time.monotonic()
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            # The API server still answers /stats, from a snapshot that no longer changes.
+            first = httpx.get(f"{victim.base_url}/stats", timeout=2.0).json()
+            time.sleep(1.5)
+            second = httpx.get(f"{victim.base_url}/stats", timeout=2.0).json()
+            assert (first["time"], first["step"]) == (second["time"], second["step"])
+            wait_for(lambda: stream.ended_at is not None, IDLE_TIMEOUT_S + 10, "stream end")
+            time.sleep(max(0.0, frozen_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
+            samples = fleet.metrics()
+        finally:
+            os.kill(engine, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    kinds = _check_outcomes(run)
+    assert stream.ended_with_error_event, stream.events[-3:]
+    assert stream.ended_at is not None
+    assert stream.ended_at - frozen_at < IDLE_TIMEOUT_S + 5
+    assert metric_sum(samples, "sal_backend_healthy", backend=victim.base_url) == 0.0
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, frozen_at)
+    assert avoid_s <= AVOID_BOUND_S
+    # Requests sent once the gateway avoids the frozen replica are all answered.
+    late = [o for o in run.outcomes if o.sent_s > frozen_at + avoid_s + 0.2]
+    assert late
+    assert all(o.kind == "ok" for o in late), late
+    drop_s = _aborted_in_vllm(victim)
+    fleet.settle()
+    assert fleet.finished() - finished_before == kinds.get("ok", 0)
+    measured(
+        "engine SIGSTOP (vLLM)",
+        avoid_s=avoid_s,
+        stream_error_after_s=stream.ended_at - frozen_at,
+        idle_in_vllm_after_sigcont_s=drop_s,
+        readmitted_after_sigcont_s=time.monotonic() - resumed_at,
+        **kinds,
+    )
+
+
+def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) -> None:
+    fleet.settle()
+    stream = LongStream(fleet.gateway).start()
+    victim = _victim(fleet)
+    assert victim.proc is not None
+    finished_before = fleet.finished()
+    cancels_before = metric_sum(fleet.metrics(), "sal_upstream_cancels_total")
+    with background_load(*_load(fleet, "api-stop-")) as run:
+        stopped_at = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: stream.ended_at is not None, IDLE_TIMEOUT_S + 10, "stream end")
+            time.sleep(max(0.0, stopped_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    kinds = _check_outcomes(run)
+    assert stream.ended_with_error_event, stream.events[-3:]
+    assert stream.ended_at is not None
+    # New requests are all answered: the ones sent to the frozen server move after the
+    # stream-header timeout.
+    assert kinds.get("ok", 0) == len(run.outcomes), kinds
+    moved = [o for o in run.outcomes if o.latency_s > HEADER_TIMEOUT_S]
+    assert all(o.latency_s < HEADER_TIMEOUT_S + 20 for o in run.outcomes)
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, stopped_at)
+    assert avoid_s <= AVOID_BOUND_S
+    drop_s = _aborted_in_vllm(victim)
+    fleet.settle()
+    # Nothing ran to the end twice: vLLM finished exactly the requests clients got.
+    assert fleet.finished() - finished_before == kinds["ok"]
+    cancels = metric_sum(fleet.metrics(), "sal_upstream_cancels_total") - cancels_before
+    measured(
+        "API server SIGSTOP (vLLM)",
+        avoid_s=avoid_s,
+        stream_error_after_s=stream.ended_at - stopped_at,
+        moved_after_header_timeout=len(moved),
+        idle_in_vllm_after_sigcont_s=drop_s,
+        gateway_upstream_cancels=int(cancels),
+        **kinds,
+    )
+
+
+def test_sigkill_mid_stream_then_restart_on_same_port(fleet: VllmFleet) -> None:
+    fleet.settle()
+    stream = LongStream(fleet.gateway).start()
+    victim = _victim(fleet)
+    assert victim.proc is not None
+    survivor = next(r for r in fleet.replicas if r is not victim)
+    survivor_before = replica_counters(survivor.base_url)
+    with background_load(*_load(fleet, "kill-")) as run:
+        killed_at = time.monotonic()
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # API server and engine: the whole replica
+        victim.proc.wait(timeout=10)
+        time.sleep(4.0)
+    kinds = _check_outcomes(run)
+    assert stream.ended_with_error_event, stream.events[-3:]
+    assert stream.ended_at is not None
+    assert stream.ended_at - killed_at < 3.0
+    assert kinds.get("ok", 0) == len(run.outcomes), kinds
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, killed_at)
+    assert avoid_s <= AVOID_BOUND_S
+    survivor_after = replica_counters(survivor.base_url)
+    finished = sum(
+        survivor_after.get(k, 0) - survivor_before.get(k, 0)
+        for k in ("success_stop", "success_length")
+    )
+    assert finished == kinds["ok"]
+    restart_started = time.monotonic()
+    victim.start()  # same port, fresh process
+    readmit_s = wait_for(lambda: fleet.healthy(victim), 30.0, "restarted replica eligible")
+    for _ in range(6):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        resp = httpx.post(f"{fleet.gateway}/v1/completions", json=body, timeout=60.0)
+        assert resp.status_code == 200
+    counters = replica_counters(victim.base_url)
+    assert counters.get("success_stop", 0) + counters.get("success_length", 0) >= 1
+    measured(
+        "SIGKILL mid-stream + restart (vLLM)",
+        avoid_s=avoid_s,
+        stream_error_after_s=stream.ended_at - killed_at,
+        restart_s=time.monotonic() - restart_started,
+        readmitted_after_healthy_s=readmit_s,
+        **kinds,
+    )
