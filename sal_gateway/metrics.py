@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from sal_gateway.state import SOURCES, StateTable
 
@@ -36,6 +43,9 @@ _LATENCY_BUCKETS_S = (
 )
 _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 _MB = ("model", "backend")
+_LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REJECT_REASONS = ("unauthorized", "over_limit", "body_timeout", "header_timeout", "template")
+"""Values of ``sal_rejected_requests_total{reason}``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +157,24 @@ class GatewayMetrics:
         self.build_info = Gauge("sal_build_info", "Gateway build", ["version"], registry=r)
         self.build_info.labels(version=version).set(1)
         self._series: dict[tuple[str, str, str], BackendSeries] = {}
+        # --- A (issue 8): the front door: loop health, process, rejections -------------
+        self.loop_lag = Histogram(
+            "sal_event_loop_lag_seconds",
+            "How late the event loop woke a periodic ~50 ms sleep (time it was blocked)",
+            buckets=_LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
+        self.loop_tasks = Gauge("sal_event_loop_tasks", "asyncio tasks alive", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
+        self.rejected = Counter(
+            "sal_rejected_requests",
+            "Requests refused before routing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        # --- end A ---------------------------------------------------------------------
 
     def series(self, model: str, backend: str, policy: str) -> BackendSeries:
         """The cached per-request children for (model, backend, policy)."""

@@ -1,0 +1,157 @@
+"""uvicorn's httptools protocol with the deadlines uvicorn lacks (slow-client protection).
+
+uvicorn bounds idle keep-alive connections but not a client that opens a connection and
+trickles its headers, or sends headers then trickles a body its route never reads: each such
+connection stays open forever, and hundreds of them exhaust descriptors and memory. The
+protocol class made by `deadline_protocol()` (passed to uvicorn as ``http=``) adds:
+
+* a **header deadline**: from a connection's opening (or a later request's first byte) to its
+  headers being complete, at most ``header_timeout_s``; else a 408 and close;
+* a **body deadline** backstop: from headers to the end of the body, ``body_timeout_s`` plus
+  a grace second (the generation handlers answer 408 themselves at ``body_timeout_s``;
+  this catches bodies nobody reads); else a 408 (or just a close, once a response started);
+* a **header size** cap (``MAX_HEADER_BYTES``; httptools itself has none): 431 and close;
+* protocol-level 400s (unparsable HTTP) in the OpenAI error shape.
+
+Keep-alive is unchanged: between requests uvicorn's ``timeout_keep_alive`` governs.
+`on_timeout(reason)` is called once per cut connection (``header_timeout`` or
+``body_timeout``), for ``sal_rejected_requests_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+MAX_HEADER_BYTES = 64 * 1024
+BODY_GRACE_S = 1.0
+_REASONS = {
+    408: "Request Timeout",
+    400: "Bad Request",
+    431: "Request Header Fields Too Large",
+}
+
+
+def _raw_error(status: int, message: str) -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": status,
+            }
+        }
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class DeadlineProtocol(HttpToolsProtocol):
+    """`HttpToolsProtocol` plus header/body deadlines; configure via `deadline_protocol()`."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    on_timeout: Callable[[str], None] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaiting_headers = False
+        self._header_bytes = 0
+
+    def _arm(self, delay_s: float, reason: str) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(delay_s, self._expire, reason)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, reason: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.on_timeout is not None:
+            self.on_timeout(reason)
+        cycle = self.cycle
+        in_response = cycle is not None and not cycle.response_complete and cycle.response_started
+        if not in_response and (reason == "body_timeout" or self._header_bytes):
+            what = "headers" if reason == "header_timeout" else "body"
+            limit = self.header_timeout_s if reason == "header_timeout" else self.body_timeout_s
+            self.transport.write(_raw_error(408, f"request {what} not received within {limit:g} s"))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._awaiting_headers = True
+        self._header_bytes = 0
+        self._arm(self.header_timeout_s, "header_timeout")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_headers:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        if (
+            self._awaiting_headers
+            and self._header_bytes > MAX_HEADER_BYTES
+            and not self.transport.is_closing()
+        ):
+            self._disarm()
+            message = f"request headers exceed {MAX_HEADER_BYTES} bytes"
+            self.transport.write(_raw_error(431, message))
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if not self._awaiting_headers:  # a later request on a kept-alive connection
+            self._awaiting_headers = True
+            self._header_bytes = 0
+            self._arm(self.header_timeout_s, "header_timeout")
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_headers = False
+        self._arm(self.body_timeout_s + BODY_GRACE_S, "body_timeout")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._disarm()
+        self.transport.write(_raw_error(400, msg))
+        self.transport.close()
+
+
+def deadline_protocol(
+    header_timeout_s: float,
+    body_timeout_s: float,
+    on_timeout: Callable[[str], None] | None = None,
+) -> type[DeadlineProtocol]:
+    """A `DeadlineProtocol` subclass with these settings (uvicorn instantiates it per
+    connection, so the settings are class attributes)."""
+    return type(
+        "ConfiguredDeadlineProtocol",
+        (DeadlineProtocol,),
+        {
+            "header_timeout_s": header_timeout_s,
+            "body_timeout_s": body_timeout_s,
+            "on_timeout": staticmethod(on_timeout) if on_timeout else None,
+        },
+    )
