@@ -53,7 +53,7 @@ from sal_gateway.front_door import FrontDoor, new_request_id
 from sal_gateway.loop_monitor import watch_loop
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.policies import make_policy
-from sal_gateway.poller import Poller, make_poll_session
+from sal_gateway.poller import Poller
 from sal_gateway.proxy import Forwarder, make_session, upstream_headers
 from sal_gateway.request_body import Endpoint, InboundRequest, parse_body
 from sal_gateway.state import StateTable
@@ -80,8 +80,8 @@ class Runtime:
     betas: dict[str, BetaEstimator]
     counters: dict[str, PromptCounter]
     session: aiohttp.ClientSession
-    poll_session: aiohttp.ClientSession
     poller: Poller
+    """Polls every backend on its own thread, loop and HTTP session."""
     forwarder: Forwarder
     executor: ThreadPoolExecutor
     clock: Callable[[], float]
@@ -100,7 +100,6 @@ class Runtime:
                 await task
         await self.poller.stop_all()
         await self.session.close()
-        await self.poll_session.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def on_discovered(self, model: ModelConfig, urls: list[str]) -> None:
@@ -114,6 +113,7 @@ class Runtime:
         for url in sorted(current - wanted - static):
             self.poller.cancel(model.name, url)
             self.table.remove_backend(model.name, url)
+            self.metrics.forget_backend(model.name, url)
         self.discovered[model.name] = wanted
 
 
@@ -133,14 +133,19 @@ async def build_runtime(
     if counters is None:
         counters = await asyncio.to_thread(load_counters, config)
     routing = config.routing
-    table = StateTable(routing.stale_after_s, routing.eject_after_failures)
+    table = StateTable(
+        routing.stale_after_s,
+        routing.eject_after_failures,
+        accounting_grace_s=routing.accounting_grace_s,
+        clock=clock,
+    )
     metrics = GatewayMetrics(__version__)
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
     session = make_session(config.proxy)
-    # Polls get their own small pool so they never queue behind proxied streams (a poll stuck
-    # waiting for a pooled connection would time out and eject a busy but healthy backend).
-    poll_session = make_poll_session()
-    poller = Poller(poll_session, table, metrics, routing, clock)
+    # Polls run on their own thread, loop and connection pool, so they never queue behind
+    # proxied streams or a saturated event loop (a late poll would make a busy but healthy
+    # backend look stale).
+    poller = Poller(table, metrics, routing, clock)
     forwarder = Forwarder(
         session=session,
         table=table,
@@ -158,7 +163,6 @@ async def build_runtime(
         betas=betas,
         counters=dict(counters),
         session=session,
-        poll_session=poll_session,
         poller=poller,
         forwarder=forwarder,
         executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="sal-tokenize"),

@@ -114,6 +114,13 @@ class RoutingConfig:
     """RNG seed of the ``random`` and ``p2c`` policies (None: nondeterministic)."""
     max_retries: int = 2
     """Retries on another backend after a connect failure before the first byte."""
+    poll_backoff_max_s: float = 2.0
+    """Longest wait between two polls of a failing backend: after a failed poll the next
+    comes after ``poll_interval_s * 2**(failures)``, jittered, capped at this."""
+    accounting_grace_s: float = 0.05
+    """Transit allowance of the between-poll accounting (>= 0): a snapshot written at t is
+    taken to include only the requests routed before t minus this. Larger is more
+    conservative (a request counts a little longer, never forgotten too early)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +221,13 @@ def _as_float(path: str, value: object, *, positive: bool = True) -> float:
     result = float(value)
     if not math.isfinite(result) or (positive and result <= 0):
         raise ConfigError(f"{path}: must be a positive finite number, got {value!r}")
+    return result
+
+
+def _nonnegative(path: str, value: object) -> float:
+    result = _as_float(path, value, positive=False)
+    if result < 0:
+        raise ConfigError(f"{path}: must be >= 0, got {value!r}")
     return result
 
 
@@ -366,6 +380,12 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
         beta_seed=beta_seed,
         seed=None if seed is None else _as_int(f"{path}.seed", seed),
         max_retries=_as_int(f"{path}.max_retries", data.get("max_retries", d.max_retries), 0),
+        poll_backoff_max_s=_as_float(
+            f"{path}.poll_backoff_max_s", data.get("poll_backoff_max_s", d.poll_backoff_max_s)
+        ),
+        accounting_grace_s=_nonnegative(
+            f"{path}.accounting_grace_s", data.get("accounting_grace_s", d.accounting_grace_s)
+        ),
     )
 
 

@@ -13,8 +13,23 @@ from sal_gateway.testing import default_stats
 A, B = "http://a:1", "http://b:1"
 
 
-def _table() -> StateTable:
-    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+class FakeClock:
+    """The gateway's monotonic clock, set by hand."""
+
+    def __init__(self, now_s: float = 0.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _table(clock: FakeClock | None = None) -> StateTable:
+    table = StateTable(
+        stale_after_s=1.0,
+        eject_after_failures=3,
+        accounting_grace_s=0.05,
+        clock=clock or FakeClock(),
+    )
     table.add_backend("m", A)
     table.add_backend("m", B)
     return table
@@ -36,17 +51,20 @@ def test_good_poll_makes_eligible_until_stale() -> None:
     assert not table.is_ready(11.01)
 
 
-def test_routing_accounts_tokens_until_next_poll_replaces_them() -> None:
-    table = _table()
+def test_routing_accounts_tokens_until_a_snapshot_written_after_them_arrives() -> None:
+    clock = FakeClock(0.0)
+    table = _table(clock)
     stats = dataclasses.replace(default_stats(), free_kv_tokens=1000, queued_prefill_tokens=50)
     table.record_poll_success("m", A, stats, "stats", now_s=0.0)
+    clock.now_s = 0.05
     t1 = table.route("m", A, 300)
     t2 = table.route("m", A, 900)
     view = table.views("m", 0.1)[0]
     assert view.in_flight == 2
     assert view.queued_prefill_tokens == 50 + 300 + 900
     assert view.free_kv_tokens == 0  # floored, never negative
-    # The next poll replaces both numbers (the engine now counts those requests itself).
+    # A poll read live after both requests (and their transit) replaces both numbers: the
+    # engine counts those requests itself now.
     table.record_poll_success("m", A, stats, "stats", now_s=0.2)
     view = table.views("m", 0.2)[0]
     assert (view.queued_prefill_tokens, view.free_kv_tokens, view.in_flight) == (50, 1000, 2)
