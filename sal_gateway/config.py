@@ -129,10 +129,18 @@ class ProxyConfig:
 
     connect_timeout_s: float = 2.0
     """Timeout to establish a TCP connection to a backend."""
-    first_byte_timeout_s: float = 60.0
-    """Timeout from sending the request to the backend's response headers."""
     total_timeout_s: float = 600.0
-    """Timeout of the whole upstream exchange, streaming included."""
+    """Timeout of the whole upstream exchange, streaming included. The only bound of a
+    non-streaming request: vLLM sends its headers only when generation ends."""
+    stream_header_timeout_s: float = 10.0
+    """Streams only: timeout from sending the request to the response headers, which vLLM
+    sends as soon as it accepts the request. On expiry the upstream connection is closed (vLLM
+    aborts the request) and the request is retried on another backend (``routing.max_retries``)."""
+    stream_idle_timeout_s: float = 60.0
+    """Streams only: longest silence (no byte from the backend) once the headers arrived; the
+    stream then ends with an SSE error event and the upstream connection is closed. It also
+    bounds time queued before the first token, as vLLM sends nothing while a request waits:
+    start replicas with ``--sse-keep-alive-interval`` below it if requests may queue longer."""
     max_body_bytes: int = 10 * 1024 * 1024
     """Largest accepted request body (413 above)."""
     max_connections: int = 1024
@@ -401,8 +409,9 @@ def _proxy(path: str, data: Mapping[str, Any]) -> ProxyConfig:
 
     return ProxyConfig(
         connect_timeout_s=num("connect_timeout_s"),
-        first_byte_timeout_s=num("first_byte_timeout_s"),
         total_timeout_s=num("total_timeout_s"),
+        stream_header_timeout_s=num("stream_header_timeout_s"),
+        stream_idle_timeout_s=num("stream_idle_timeout_s"),
         max_body_bytes=count("max_body_bytes"),
         max_connections=count("max_connections"),
         tokenize_in_thread_chars=_as_int(

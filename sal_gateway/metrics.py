@@ -203,6 +203,23 @@ class GatewayMetrics:
             registry=r,
         )
         # --- end B ------------------------------------------------------------------------
+        # --- C: upstream timeouts (issue 8) ---------------------------------------------
+        self.stream_timeouts = Counter(
+            "sal_stream_timeouts",
+            "Streams cut by a timeout: kind=header (no headers in time; retried elsewhere) "
+            "or idle (no byte in time after the headers; ended with an SSE error event)",
+            [*_MB, "kind"],
+            registry=r,
+        )
+        self.upstream_cancels = Counter(
+            "sal_upstream_cancels",
+            "Upstream connections the gateway closed on an unfinished exchange (vLLM aborts "
+            "the request), by reason: client_disconnect, header_timeout, idle_timeout, "
+            "total_timeout, aborted",
+            [*_MB, "reason"],
+            registry=r,
+        )
+        # --- end C ---------------------------------------------------------------------
 
     def series(self, model: str, backend: str, policy: str) -> BackendSeries:
         """The cached per-request children for (model, backend, policy)."""

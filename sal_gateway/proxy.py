@@ -5,54 +5,53 @@ The app calls `Forwarder.forward()` once per validated request. Client stack: on
 hundreds of concurrent streams (issue #2 measured p99 3.4 s at 200 streams with
 ``httpx.AsyncClient`` against 0.4 s with aiohttp); the gateway-bench script measures it again.
 
-Failure semantics (see docs/gateway.md):
+Timeouts follow how vLLM answers (see docs/gateway.md):
+
+* A non-streamed answer's headers come only when generation ends, so a non-streaming request
+  is bounded by ``proxy.total_timeout_s`` alone (then 504, not retried: the backend worked).
+* A stream's headers come as soon as vLLM accepts the request, so they are due within
+  ``proxy.stream_header_timeout_s``. On expiry the upstream connection is closed (vLLM aborts
+  the request: nothing runs twice), the backend is marked suspect and the request is retried
+  like a connect failure; when every attempt timed out, 504.
+* Once a stream's headers arrived, `relay.RelayResponse` bounds each silence by
+  ``proxy.stream_idle_timeout_s`` and never retries.
+
+Other failures:
 
 * Connect failure before any response byte (refused, reset, connect timeout, closed before the
   headers): the backend is marked suspect and the request goes to the next best backend, at
   most ``routing.max_retries`` times; then 502.
-* No response headers within ``first_byte_timeout_s``: 504, not retried (the backend may be
-  generating).
 * A backend's HTTP error (4xx *and* 5xx) is passed through with its status and body, never
   retried: generation may have happened.
-* Failure after the first byte of a stream: the stream ends with
-  ``data: {"error": {...}}`` and ``data: [DONE]``, never retried (no duplicate generation).
 * The request body is forwarded byte for byte, except that a stream whose client did not ask
   for usage is asked for it (`usage.with_usage_requested`) and the usage-only event removed
-  again. SSE bytes are relayed as they arrive, never re-encoded (when removing that event,
-  the bytes of a not yet terminated event wait for its end). A client disconnect cancels the
-  upstream request (its connection is closed). The state-table ticket is released on every
-  exit path.
+  again (`relay`). A client disconnect cancels the upstream request (its connection is
+  closed). The state-table ticket is released on every exit path. Every connection the
+  gateway closes on an unfinished exchange is counted in ``sal_upstream_cancels_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import aiohttp
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
 
 from sal_gateway.beta import BetaEstimator
 from sal_gateway.config import ProxyConfig, RoutingConfig
 from sal_gateway.errors import GatewayError, NoBackendAvailable, UpstreamError, UpstreamTimeout
-from sal_gateway.errors import error_body as _error_body
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.policies import NoEligibleBackend, Policy, RouteRequest
+from sal_gateway.relay import Exchange, RelayResponse, sse_error_event, stream_error
 from sal_gateway.request_body import InboundRequest
-from sal_gateway.state import StateTable, Ticket
-from sal_gateway.usage import (
-    USAGE_TAIL_BYTES,
-    UsageStripper,
-    usage_from_json,
-    usage_from_sse_tail,
-    with_usage_requested,
-)
+from sal_gateway.state import StateTable
+from sal_gateway.usage import usage_from_json, with_usage_requested
+
+__all__ = ["Forwarder", "make_session", "sse_error_event", "upstream_headers"]
 
 logger = logging.getLogger("sal_gateway.proxy")
 
@@ -79,7 +78,10 @@ _HOP_BY_HOP = frozenset(
 )
 # Set by our own server (uvicorn) or by the Response object; forwarding them would duplicate.
 _SERVER_OWN = frozenset({"content-type", "date", "server"})
-_SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _HeaderTimeout(Exception):
+    """A stream's headers did not come within ``proxy.stream_header_timeout_s``."""
 
 
 def make_session(proxy: ProxyConfig) -> aiohttp.ClientSession:
@@ -118,70 +120,6 @@ def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
     }
 
 
-def sse_error_event(exc: GatewayError) -> bytes:
-    """The SSE event that ends a stream broken after its first byte, then ``[DONE]``."""
-    return b"data: " + json.dumps(_error_body(exc)).encode() + b"\n\n" + _SSE_DONE
-
-
-@dataclass(slots=True)
-class _Exchange:
-    """One upstream exchange in progress (for metrics and accounting)."""
-
-    model: str
-    backend: str
-    ticket: Ticket
-    start_s: float
-    prompt_tokens: int
-    strip_usage: bool = False
-    """The gateway asked for usage on the client's behalf: remove the usage event."""
-    client_gone: bool = False
-
-
-async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    on_disconnect()
-
-
-class _RelayResponse(Response):
-    """Streams an upstream SSE response to the client chunk by chunk, without buffering.
-
-    Cheaper than Starlette's `StreamingResponse` (no anyio task group per stream): one asyncio
-    task watches for the client's disconnect and then closes the upstream connection, which
-    ends the relay loop at once and makes the backend abort the generation.
-    """
-
-    def __init__(
-        self,
-        forwarder: Forwarder,
-        ex: _Exchange,
-        resp: aiohttp.ClientResponse,
-        headers: Mapping[str, str],
-        media_type: str,
-    ) -> None:
-        # Not Response.__init__: it would render an empty body and add Content-Length: 0.
-        self.status_code = 200
-        self.media_type = media_type
-        self.background = None
-        self.init_headers(headers)
-        self._forwarder = forwarder
-        self._ex = ex
-        self._resp = resp
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex, resp = self._ex, self._resp
-
-        def client_gone() -> None:
-            ex.client_gone = True
-            resp.close()
-
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, client_gone))
-        try:
-            await self._forwarder.relay_stream(ex, resp, self.raw_headers, send)
-        finally:
-            watcher.cancel()
-
-
 class Forwarder:
     """Routes and forwards requests; one per app, built in the lifespan."""
 
@@ -208,6 +146,13 @@ class Forwarder:
         self._decision_seconds = metrics.routing_decision_seconds.labels(policy=policy.name)
         self._total_timeout = aiohttp.ClientTimeout(
             total=proxy.total_timeout_s, sock_connect=proxy.connect_timeout_s
+        )
+        # sock_read is aiohttp's own idle bound: rearmed by every byte the backend sends (and
+        # paused while a slow client holds reading back), so it measures the backend alone.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=proxy.total_timeout_s,
+            sock_connect=proxy.connect_timeout_s,
+            sock_read=proxy.stream_idle_timeout_s,
         )
 
     def select(self, model: str, prompt_tokens: int, exclude: set[str]) -> str:
@@ -249,10 +194,15 @@ class Forwarder:
         headers: Mapping[str, str],
         prompt_tokens: int,
     ) -> Response:
-        """Send `inbound` to the best backend and return the response to relay."""
+        """Send `inbound` to the best backend and return the response to relay.
+
+        Retries (at most ``routing.max_retries``, each on a backend not tried yet) only what
+        cannot have generated anything: connect failures and streams whose headers timed out
+        (their connection is closed first, so vLLM aborts them)."""
         model = inbound.model
         path = inbound.endpoint.value
         tried: set[str] = set()
+        timed_out = 0
         last_error: Exception | None = None
         failed_url = ""
         # Ask streams for usage (beta and token counters need it) without the client seeing it.
@@ -268,50 +218,96 @@ class Forwarder:
             if last_error is not None:  # this is a retry of what failed on `failed_url`
                 self._metrics.retries.labels(model=model, backend=failed_url).inc()
             ticket = self._table.route(model, url, prompt_tokens)
-            ex = _Exchange(
+            ex = Exchange(
                 model, url, ticket, time.perf_counter(), prompt_tokens, injected is not None
             )
             try:
-                resp = await self._open(url + path, body, headers)
-            except _RETRYABLE as exc:
+                resp = await self._open(url + path, body, headers, inbound.stream)
+            except (*_RETRYABLE, _HeaderTimeout) as exc:
                 StateTable.release(ticket)
                 self._table.mark_suspect(model, url)
                 tried.add(url)
                 last_error, failed_url = exc, url
-                logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
+                if isinstance(exc, _HeaderTimeout):
+                    timed_out += 1
+                    self._count_timeout(ex, "header")
+                    logger.warning("%s: %s", url, exc)
+                else:
+                    logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
                 continue
             except GatewayError as exc:
                 StateTable.release(ticket)
                 exc.backend = url
+                if isinstance(exc, UpstreamTimeout):
+                    self.upstream_cancelled(ex, "total_timeout")
                 raise
             except BaseException:  # cancelled: the client went away while we waited
                 StateTable.release(ticket)
+                self.upstream_cancelled(ex, "client_disconnect")
                 self._metrics.requests.labels(model=model, backend=url, status="499").inc()
                 raise
             return await self._relay(ex, inbound, resp)
-        raise UpstreamError(
+        message = (
             f"could not reach a backend for model {model!r} after {len(tried)} attempt(s): "
             f"{last_error}"
         )
+        raise UpstreamTimeout(message) if timed_out == len(tried) else UpstreamError(message)
 
     async def _open(
-        self, url: str, body: bytes, headers: Mapping[str, str]
+        self, url: str, body: bytes, headers: Mapping[str, str], stream: bool
     ) -> aiohttp.ClientResponse:
+        """POST and wait for the response headers; raises what `forward` sorts out."""
         try:
-            async with asyncio.timeout(self._proxy.first_byte_timeout_s):
+            if not stream:
                 return await self._session.post(
                     url, data=body, headers=headers, timeout=self._total_timeout
+                )
+            # Leaving this block by timeout cancels the request: aiohttp closes its connection.
+            async with asyncio.timeout(self._proxy.stream_header_timeout_s):
+                return await self._session.post(
+                    url, data=body, headers=headers, timeout=self._stream_timeout
                 )
         except _RETRYABLE:
             raise
         except TimeoutError:
+            if stream:  # the header bound, or the idle bound if that one is shorter
+                bound = min(self._proxy.stream_header_timeout_s, self._proxy.stream_idle_timeout_s)
+                raise _HeaderTimeout(f"stream headers not received within {bound} s") from None
             raise UpstreamTimeout(
-                f"backend sent no response within {self._proxy.first_byte_timeout_s} s"
+                f"backend did not answer within {self._proxy.total_timeout_s} s "
+                f"(proxy.total_timeout_s)"
             ) from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"backend request failed: {type(exc).__name__}: {exc}") from None
 
-    def _finish(self, ex: _Exchange, status: int, usage: tuple[int, int] | None) -> None:
+    # --- reports from the relay (`relay.Settler`) ---------------------------------------
+
+    def first_byte(self, ex: Exchange) -> None:
+        """The backend started answering: prefill is done, time to first token known."""
+        StateTable.first_byte(ex.ticket)
+        self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
+            time.perf_counter() - ex.start_s
+        )
+
+    def upstream_cancelled(self, ex: Exchange, reason: str) -> None:
+        """The gateway closed the connection of an unfinished upstream exchange."""
+        self._metrics.upstream_cancels.labels(ex.model, ex.backend, reason).inc()
+
+    def stream_failed(self, ex: Exchange, exc: BaseException) -> GatewayError:
+        """Count a stream broken after its headers; the error event the client gets."""
+        self._metrics.stream_errors.labels(model=ex.model, backend=ex.backend).inc()
+        if isinstance(exc, aiohttp.SocketTimeoutError):  # sock_read: the idle bound
+            self._count_timeout(ex, "idle")
+        elif isinstance(exc, TimeoutError):  # aiohttp's total bound
+            self.upstream_cancelled(ex, "total_timeout")
+        return stream_error(ex, exc, self._proxy.stream_idle_timeout_s)
+
+    def _count_timeout(self, ex: Exchange, kind: str) -> None:
+        self._metrics.stream_timeouts.labels(ex.model, ex.backend, kind).inc()
+        self.upstream_cancelled(ex, f"{kind}_timeout")
+
+    def finish(self, ex: Exchange, status: int, usage: tuple[int, int] | None) -> None:
+        """The exchange is over: release its ticket, record its metrics (once per exchange)."""
         StateTable.release(ex.ticket)
         elapsed_s = time.perf_counter() - ex.start_s
         series = self._metrics.series(ex.model, ex.backend, self._policy.name)
@@ -329,104 +325,36 @@ class Forwarder:
                 beta.observe(prompt, completion)
 
     async def _relay(
-        self, ex: _Exchange, inbound: InboundRequest, resp: aiohttp.ClientResponse
+        self, ex: Exchange, inbound: InboundRequest, resp: aiohttp.ClientResponse
     ) -> Response:
         content_type = resp.headers.get("Content-Type", "application/json")
         if inbound.stream and resp.status == 200 and content_type.startswith("text/event-stream"):
-            return _RelayResponse(self, ex, resp, _response_headers(resp), content_type)
+            return RelayResponse(self, ex, resp, _response_headers(resp), content_type)
         try:
             body = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            resp.release()
-            self._finish(ex, 502, None)
-            err = UpstreamError(f"backend failed while answering: {type(exc).__name__}: {exc}")
+            resp.close()
+            err: UpstreamError
+            if isinstance(exc, TimeoutError):  # the total bound (or a stream's idle bound)
+                self.upstream_cancelled(ex, "total_timeout")
+                err = UpstreamTimeout(f"backend answer not complete in time: {exc}")
+            else:
+                err = UpstreamError(f"backend failed while answering: {type(exc).__name__}: {exc}")
+            self.finish(ex, err.status, None)
             err.backend = ex.backend
             err.counted = True
             raise err from None
         except BaseException:
             resp.close()
-            self._finish(ex, 499, None)
+            self.upstream_cancelled(ex, "client_disconnect")
+            self.finish(ex, 499, None)
             raise
-        StateTable.first_byte(ex.ticket)
-        self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
-            time.perf_counter() - ex.start_s
-        )
+        self.first_byte(ex)
         usage = None
         if resp.status == 200 and "Content-Encoding" not in resp.headers:
             usage = usage_from_json(body)
         resp.release()
-        self._finish(ex, resp.status, usage)
+        self.finish(ex, resp.status, usage)
         return Response(
             body, status_code=resp.status, headers=_response_headers(resp), media_type=content_type
         )
-
-    async def relay_stream(
-        self,
-        ex: _Exchange,
-        resp: aiohttp.ClientResponse,
-        raw_headers: list[tuple[bytes, bytes]],
-        send: Send,
-    ) -> None:
-        """Relay `resp`'s body to the client as it arrives; settle metrics and accounting."""
-        tail = b""  # the last bytes relayed: where the client's own usage event is
-        stripper = UsageStripper() if ex.strip_usage else None
-        first = True
-        status = 200
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-            try:
-                async for chunk in resp.content.iter_any():
-                    if ex.client_gone:
-                        break
-                    if first:
-                        first = False
-                        StateTable.first_byte(ex.ticket)
-                        self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
-                            time.perf_counter() - ex.start_s
-                        )
-                    if stripper is not None:
-                        chunk = stripper.feed(chunk)
-                        if not chunk:
-                            continue
-                    tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if not ex.client_gone:
-                    held = stripper.flush() if stripper is not None else b""
-                    await send(self._stream_error(ex, exc, tail + held, held))
-            if ex.client_gone:
-                status = 499  # nginx's "client closed request"
-            else:
-                held = stripper.flush() if stripper is not None else b""
-                await send({"type": "http.response.body", "body": held, "more_body": False})
-        except BaseException:  # cancelled (shutdown) or the send failed
-            status = 499
-            raise
-        finally:
-            if status == 200:
-                resp.release()
-            else:
-                resp.close()  # closing the upstream connection makes vLLM abort the request
-            usage = None
-            if status == 200:
-                usage = stripper.usage if stripper is not None else usage_from_sse_tail(tail)
-            self._finish(ex, status, usage)
-
-    def _stream_error(
-        self, ex: _Exchange, exc: BaseException, tail: bytes, held: bytes = b""
-    ) -> Message:
-        """The body message that ends a stream broken after its first byte: `held` (bytes
-        the usage stripper still held), then the error event and ``[DONE]``."""
-        self._metrics.stream_errors.labels(model=ex.model, backend=ex.backend).inc()
-        logger.warning("stream from %s broke: %s: %s", ex.backend, type(exc).__name__, exc)
-        err = UpstreamError(
-            f"the backend failed mid-stream ({type(exc).__name__}); the response is "
-            f"incomplete and was not retried"
-        )
-        # Close a partially relayed event first so the error event parses on its own.
-        prefix = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
-        return {
-            "type": "http.response.body",
-            "body": held + prefix + sse_error_event(err),
-            "more_body": True,
-        }

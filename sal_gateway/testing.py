@@ -89,6 +89,9 @@ class FakeBehaviour:
     """Delay before ``/stats`` answers (a slow or overloaded API server)."""
     stats_raw_body: bytes | None = None
     """Serve exactly these bytes on ``/stats`` with status 200 (a malformed body)."""
+    stall_after_chunks: int | None = None
+    """Streams: after the headers and this many SSE chunks, send nothing more but keep the
+    connection open until the client goes away (0: a frozen engine behind a live API server)."""
 
 
 @dataclass(slots=True)
@@ -289,6 +292,9 @@ class FakeBackend:
                 return
             if b.close_after_chunks is not None and n_chunks >= b.close_after_chunks:
                 raise ConnectionAbortedError("fake backend crashed mid-stream")
+            if b.stall_after_chunks is not None and n_chunks >= b.stall_after_chunks:
+                await gone.wait()
+                return
             k = min(b.tokens_per_chunk, output_tokens - sent)
             sent += k
             n_chunks += 1

@@ -51,7 +51,7 @@ def gateway_config(
         model["discovery"] = discovery
     proxy_config: dict[str, Any] = {
         "connect_timeout_s": 1.0,  # short timeouts keep the fault tests quick
-        "first_byte_timeout_s": 10.0,
+        "stream_header_timeout_s": 5.0,
         "total_timeout_s": 30.0,
     }
     proxy_config.update(proxy or {})

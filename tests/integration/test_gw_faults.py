@@ -128,14 +128,16 @@ def test_client_disconnect_cancels_the_upstream_request() -> None:
             assert first.startswith(b"data: ")
         wait_until(lambda: fake.disconnects == 1)
         wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight") == 0.0)
+        cancels = metric(rig.metrics(), "sal_upstream_cancels_total", reason="client_disconnect")
+        assert cancels == 1.0
 
 
-def test_client_disconnect_while_backend_hangs_before_first_byte() -> None:
-    with gateway_rig(1, proxy={"first_byte_timeout_s": 1.0}) as rig:
+def test_stream_header_timeout_closes_the_hung_upstream_request() -> None:
+    with gateway_rig(1, proxy={"stream_header_timeout_s": 1.0}) as rig:
         fake = rig.fakes[0]
         fake.behaviour.hang = True
         resp = _complete(rig.url, stream=True)
-        assert resp.status_code == 504  # first-byte timeout: not retried
+        assert resp.status_code == 504  # header timeout, and no other backend to retry on
         assert fake.generation_requests == 1
         wait_until(lambda: fake.disconnects == 1)  # the hung upstream request was abandoned
 
@@ -154,6 +156,8 @@ def test_client_giving_up_before_first_byte_cancels_upstream(stream: bool) -> No
         wait_until(lambda: fake.disconnects == 1)
         wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight") == 0.0)
         assert metric(rig.metrics(), "sal_requests_total", status="499") == 1.0
+        cancels = metric(rig.metrics(), "sal_upstream_cancels_total", reason="client_disconnect")
+        assert cancels == 1.0
 
 
 def test_mid_stream_failure_ends_with_error_event_and_no_duplicate() -> None:

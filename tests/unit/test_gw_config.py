@@ -54,6 +54,8 @@ def test_minimal_shape_from_issue_gets_defaults(tmp_path: Path) -> None:
         ({"bogus": 1}, "bogus"),
         ({"routing": {"polcy": "sal"}}, "routing.polcy"),
         ({"proxy": {"timeout": 1}}, "proxy.timeout"),
+        # Removed in issue 8: a non-streaming request is bounded by total_timeout_s only.
+        ({"proxy": {"first_byte_timeout_s": 60}}, "proxy.first_byte_timeout_s"),
         ({"listen": {"hots": "x"}}, "listen.hots"),
         (
             {"models": [{"name": "m", "backends": ["http://a:1"], "tokeniser": "x"}]},
@@ -94,6 +96,8 @@ def test_unknown_keys_are_rejected_naming_the_path(
         ({"routing": {"eject_after_failures": 0}}, "eject_after_failures: must be >= 1"),
         ({"routing": {"beta_seed": 0.5}}, "beta_seed: must be >= 1"),
         ({"routing": {"max_retries": True}}, "max_retries: expected an integer"),
+        ({"proxy": {"stream_header_timeout_s": 0}}, "stream_header_timeout_s: must be a posit"),
+        ({"proxy": {"stream_idle_timeout_s": "1m"}}, "stream_idle_timeout_s: expected a number"),
         ({"listen": {"port": 70000}}, "listen.port"),
         ({"log_level": "loud"}, "log_level"),
     ],
@@ -179,3 +183,10 @@ def test_keep_alive_outlasts_client_pools_by_default_and_is_configurable(tmp_pat
     )
     with pytest.raises(ConfigError, match=r"listen\.keep_alive_s"):
         load_config(path)
+
+
+def test_stream_timeouts_default_to_vllm_shaped_bounds() -> None:
+    config = build_config({"models": [{"name": "m", "backends": ["http://a:1"]}]})
+    assert config.proxy.stream_header_timeout_s == 10.0
+    assert config.proxy.stream_idle_timeout_s == 60.0
+    assert config.proxy.total_timeout_s == 600.0

@@ -1,0 +1,177 @@
+"""Upstream timeouts over real sockets, shaped after how vLLM answers: a non-streamed answer's
+headers come when generation ends (bounded by the total timeout only), a stream's headers come
+on acceptance (short header timeout, retried elsewhere with the first connection closed), and a
+stream's silences are bounded by the idle timeout (error event, never retried)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
+
+# Tight bounds keep the tests quick; the fakes' delays are chosen well clear of them.
+TIGHT = {"stream_header_timeout_s": 1.0, "stream_idle_timeout_s": 1.5, "total_timeout_s": 20.0}
+FIRST_A = {"policy": "round_robin"}  # a fresh round robin tries backend a first
+
+
+def _stream(rig: Rig, max_tokens: int = 4) -> httpx.Response:
+    with httpx.stream(
+        "POST",
+        f"{rig.url}/v1/completions",
+        timeout=30.0,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "stream": True},
+    ) as resp:
+        resp.read()
+    return resp
+
+
+def _events(body: bytes) -> list[bytes]:
+    return [e for e in body.split(b"\n\n") if e]
+
+
+def _settled(rig: Rig) -> None:
+    """Every ticket released (the in-flight gauge of every backend back to 0)."""
+
+    def idle() -> bool:
+        text = rig.metrics()
+        return all(metric(text, "sal_backend_in_flight", backend=s.url) == 0.0 for s in rig.served)
+
+    wait_until(idle)
+
+
+def test_non_stream_slower_than_the_stream_bounds_succeeds() -> None:
+    # vLLM sends a non-streamed answer's headers only when generation ends: a generation
+    # longer than the stream header and idle bounds must still be answered, not cut with a 504.
+    with gateway_rig(1, proxy=TIGHT) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.first_byte_delay_s = 2.5
+        with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="x", max_retries=0) as client:
+            answer = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert answer.choices[0].text == " tok" * 3
+        assert fake.generation_requests == 1
+        assert metric(rig.metrics(), "sal_stream_timeouts_total") is None
+        _settled(rig)
+
+
+def test_non_stream_over_the_total_timeout_gives_504_not_retried() -> None:
+    with gateway_rig(2, proxy={**TIGHT, "total_timeout_s": 0.5}) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.hang = True
+        resp = httpx.post(
+            f"{rig.url}/v1/completions",
+            timeout=30.0,
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        )
+        assert resp.status_code == 504
+        assert resp.json()["error"]["type"] == "upstream_timeout"
+        assert sum(f.generation_requests for f in rig.fakes) == 1  # the GPU may have worked
+        wait_until(lambda: sum(f.disconnects for f in rig.fakes) == 1)
+        text = rig.metrics()
+        assert metric(text, "sal_upstream_cancels_total", reason="total_timeout") == 1.0
+        assert metric(text, "sal_requests_total", status="504") == 1.0
+        _settled(rig)
+
+
+def test_stream_header_timeout_is_retried_on_the_other_backend() -> None:
+    with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
+        a, b = rig.fakes
+        a_url = rig.served[0].url
+        a.behaviour.hang = True  # accepts the connection, never sends headers (frozen server)
+        with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="x", max_retries=0) as client:
+            stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True)
+            text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == " tok" * 4  # one whole answer
+        assert (a.generation_requests, b.generation_requests) == (1, 1)
+        wait_until(lambda: a.disconnects == 1)  # a's connection closed: vLLM aborts there
+        m = rig.metrics()
+        assert metric(m, "sal_stream_timeouts_total", backend=a_url, kind="header") == 1.0
+        assert metric(m, "sal_upstream_cancels_total", backend=a_url, reason="header_timeout") == 1
+        assert metric(m, "sal_retries_total", backend=a_url) == 1.0
+        assert metric(m, "sal_requests_total", backend=rig.served[1].url, status="200") == 1.0
+        _settled(rig)
+
+
+def test_stream_header_timeout_on_every_backend_gives_504() -> None:
+    with gateway_rig(2, proxy=TIGHT) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.hang = True
+        resp = _stream(rig)
+        assert resp.status_code == 504
+        error = json.loads(resp.content)["error"]
+        assert error["type"] == "upstream_timeout"
+        assert set(error) == {"message", "type", "param", "code"}
+        assert [f.generation_requests for f in rig.fakes] == [1, 1]
+        wait_until(lambda: [f.disconnects for f in rig.fakes] == [1, 1])
+        m = rig.metrics()
+        assert metric(m, "sal_stream_timeouts_total", backend=rig.served[0].url) == 1.0
+        assert metric(m, "sal_stream_timeouts_total", backend=rig.served[1].url) == 1.0
+        assert metric(m, "sal_requests_total", status="504") == 1.0
+        _settled(rig)
+
+
+def test_stream_header_timeout_within_retry_budget_only() -> None:
+    with gateway_rig(2, routing={"max_retries": 0}, proxy=TIGHT) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.hang = True
+        assert _stream(rig).status_code == 504
+        assert sum(f.generation_requests for f in rig.fakes) == 1
+        _settled(rig)
+
+
+def test_stream_idle_after_first_bytes_ends_with_error_event_not_retried() -> None:
+    with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
+        a, b = rig.fakes
+        a_url = rig.served[0].url
+        a.behaviour.stall_after_chunks = 2  # two tokens, then silence (a frozen replica)
+        resp = _stream(rig, max_tokens=10)
+        assert resp.status_code == 200
+        events = _events(resp.content)
+        assert len(events) == 4  # two chunks, the error event, [DONE]
+        assert [json.loads(e[len(b"data: ") :])["choices"][0]["text"] for e in events[:2]] == [
+            " tok",
+            " tok",
+        ]
+        error = json.loads(events[2][len(b"data: ") :])["error"]
+        assert error["type"] == "upstream_timeout"
+        assert "stream_idle_timeout_s" in error["message"]
+        assert events[3] == b"data: [DONE]"
+        assert b.generation_requests == 0  # never retried after the first byte
+        wait_until(lambda: a.disconnects == 1)  # the upstream connection was closed
+        m = rig.metrics()
+        assert metric(m, "sal_stream_timeouts_total", backend=a_url, kind="idle") == 1.0
+        assert metric(m, "sal_upstream_cancels_total", backend=a_url, reason="idle_timeout") == 1
+        assert metric(m, "sal_stream_errors_total", backend=a_url) == 1.0
+        _settled(rig)
+
+
+def test_stream_idle_before_first_token_ends_with_error_event_in_the_sdk() -> None:
+    # Headers, then nothing: an engine that accepted the request but never scheduled it.
+    # Not retried either: the silence may be a long prefill that would only be wasted again.
+    with gateway_rig(1, proxy=TIGHT) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.stall_after_chunks = 0
+        with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="x", max_retries=0) as client:
+            stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True)
+            with pytest.raises(openai.APIError, match="stream_idle_timeout_s"):
+                list(stream)
+        assert fake.generation_requests == 1
+        wait_until(lambda: fake.disconnects == 1)
+        _settled(rig)
+
+
+def test_slow_stream_within_the_idle_bound_is_not_cut() -> None:
+    # The idle bound limits each silence, not the stream: 8 chunks 0.3 s apart take longer
+    # than the 1.5 s bound in total and must arrive whole.
+    with gateway_rig(1, proxy=TIGHT) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.chunk_delay_s = 0.3
+        resp = _stream(rig, max_tokens=8)
+        events = _events(resp.content)
+        assert len(events) == 9  # eight chunks, [DONE]
+        assert events[-1] == b"data: [DONE]"
+        assert metric(rig.metrics(), "sal_stream_timeouts_total") is None
+        _settled(rig)
