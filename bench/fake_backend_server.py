@@ -6,13 +6,12 @@
 it, so what the benchmark measures on top of it is the gateway's own cost; with
 ``--first-byte-delay-s`` / ``--chunk-delay-s`` it paces its tokens like a real replica.
 
-Fault knobs (used by the real-process fault tests and the soak benchmark), in `FaultyFake`:
+Fault knobs (used by the real-process fault tests), in `FaultyFake`:
 
-* ``/stats`` carries a live heartbeat: ``time`` is the wall clock and ``step`` advances on
-  every read, as a patched vLLM's idle heartbeat does, unless the stats mode freezes them.
 * ``POST /_fault`` with a JSON object sets, at run time, any `FakeBehaviour` field (e.g.
-  ``{"hang": true}``) and the ``/stats`` fault: ``stats_mode`` (`STATS_MODES`) and
-  ``stats_delay_s`` (every ``/stats`` answer waits this long first). Answers the new knobs.
+  ``{"engine_frozen": true, "stall_after_chunks": 0}`` for an engine frozen behind a live
+  API server, ``{"stats_delay_s": 2}`` for a slow ``/stats``) and ``stats_mode``, a malformed
+  ``/stats`` (`STATS_MODES`). It answers the knobs now in force.
 * ``--record PATH`` appends one line per generation request to PATH, flushed at once (so it
   survives a SIGKILL): ``start ID`` when the request arrives, then ``done ID`` when the last
   byte of its answer was handed to the server with the client still there, or ``abort ID``
@@ -23,10 +22,8 @@ Fault knobs (used by the real-process fault tests and the soak benchmark), in `F
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,9 +31,8 @@ import uvicorn
 
 from sal_gateway.testing import FakeBackend, FakeBehaviour, Message, Receive, Scope, Send
 
-STATS_MODES = ("ok", "frozen", "nested", "nan", "schema", "status_503", "stock_nan")
-"""``/stats`` faults: ``ok`` (live heartbeat), ``frozen`` (the last snapshot forever, as an
-API server whose engine stopped serves it), ``nested`` (JSON nested 100,000 deep), ``nan``
+STATS_MODES = ("ok", "nested", "nan", "schema", "status_503", "stock_nan")
+"""``/stats`` bodies: ``ok`` (the fake's own), ``nested`` (JSON nested 100,000 deep), ``nan``
 (a well-formed snapshot with ``NaN`` fields), ``schema`` (valid JSON, wrong schema),
 ``status_503`` (an error status), ``stock_nan`` (``/stats`` 404 like stock vLLM, and a
 ``NaN`` in ``/metrics``)."""
@@ -45,13 +41,12 @@ NESTED_DEPTH = 100_000
 
 
 class FaultyFake:
-    """ASGI wrapper around a `FakeBackend`: fault control, live heartbeat, request record."""
+    """ASGI wrapper around a `FakeBackend`: fault control, malformed stats, request record."""
 
     def __init__(self, backend: FakeBackend, record: IO[str] | None = None) -> None:
         self.backend = backend
         self.record = record
         self.stats_mode = "ok"
-        self.stats_delay_s = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,8 +55,8 @@ class FaultyFake:
         path, method = scope["path"], scope["method"]
         if method == "POST" and path == "/_fault":
             await self._control(receive, send)
-        elif method == "GET" and path == "/stats":
-            await self._stats(scope, receive, send)
+        elif method == "GET" and path == "/stats" and self.stats_mode != "ok":
+            await self._bad_stats(send)
         elif method == "GET" and path == "/metrics" and self.stats_mode == "stock_nan":
             text = self.backend.metrics_text().replace(
                 f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.backend.model}"}} '
@@ -85,31 +80,18 @@ class FaultyFake:
                     )
                     return
                 self.stats_mode = value
-            elif key == "stats_delay_s":
-                self.stats_delay_s = float(value)
             elif key in {f.name for f in dataclasses.fields(behaviour)}:
                 setattr(behaviour, key, value)
             else:
                 await _reply(send, 400, f"unknown knob {key!r}".encode(), b"text/plain")
                 return
-        state = {
-            **dataclasses.asdict(behaviour),
-            "stats_mode": self.stats_mode,
-            "stats_delay_s": self.stats_delay_s,
-        }
+        state = {**dataclasses.asdict(behaviour), "stats_mode": self.stats_mode}
+        state.pop("stats_raw_body", None)  # bytes: not JSON
         await _reply(send, 200, json.dumps(state).encode(), b"application/json")
 
-    async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.stats_delay_s > 0:
-            await asyncio.sleep(self.stats_delay_s)
+    async def _bad_stats(self, send: Send) -> None:
         mode = self.stats_mode
-        stats = self.backend.stats
-        if mode != "frozen":
-            stats = dataclasses.replace(stats, time=time.time(), step=stats.step + 1)
-            self.backend.stats = stats
-        if mode in ("ok", "frozen"):
-            await self.backend(scope, receive, send)
-            return
+        stats = self.backend.snapshot()
         if mode == "nested":
             body = b"[" * NESTED_DEPTH + b"]" * NESTED_DEPTH
         elif mode == "nan":

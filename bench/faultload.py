@@ -228,15 +228,19 @@ class MetricsTimeline:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
 
-    def avoid_time_s(self, backend: str, since_s: float, model: str = "tiny") -> float:
-        """Seconds from `since_s` until the last scrape that saw a new routing decision for
-        `backend` (0 when none came after `since_s`): an upper bound, at scrape resolution, on
-        how long the gateway kept sending requests to it."""
+    def avoid_time_s(
+        self, backend: str, since_s: float, until_s: float | None = None, model: str = "tiny"
+    ) -> float:
+        """Seconds from `since_s` until the last scrape (before `until_s`, when the fault
+        ended) that saw a new routing decision for `backend` (0 when none came after
+        `since_s`): an upper bound, at scrape resolution, on how long the gateway kept sending
+        requests to it."""
         last_change = since_s
         previous: float | None = None
         for t, samples in self.points:
             value = metric_sum(samples, "sal_routing_decisions_total", model=model, backend=backend)
-            if previous is not None and value > previous and t > since_s:
+            in_fault = t > since_s and (until_s is None or t <= until_s)
+            if previous is not None and value > previous and in_fault:
                 last_change = t
             previous = value
         return last_change - since_s

@@ -259,14 +259,14 @@ def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet)
             time.sleep(max(0.0, frozen_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
             samples = fleet.metrics()
         finally:
+            resumed_at = time.monotonic()
             os.kill(engine, signal.SIGCONT)
-    resumed_at = time.monotonic()
     kinds = _check_outcomes(run)
     assert stream.ended_with_error_event, stream.events[-3:]
     assert stream.ended_at is not None
     assert stream.ended_at - frozen_at < IDLE_TIMEOUT_S + 5
     assert metric_sum(samples, "sal_backend_healthy", backend=victim.base_url) == 0.0
-    avoid_s = run.timeline.avoid_time_s(victim.base_url, frozen_at)
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, frozen_at, resumed_at)
     assert avoid_s <= AVOID_BOUND_S
     # Requests sent once the gateway avoids the frozen replica are all answered.
     late = [o for o in run.outcomes if o.sent_s > frozen_at + avoid_s + 0.2]
@@ -299,6 +299,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
             wait_for(lambda: stream.ended_at is not None, IDLE_TIMEOUT_S + 10, "stream end")
             time.sleep(max(0.0, stopped_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
         finally:
+            resumed_at = time.monotonic()
             os.kill(victim.proc.pid, signal.SIGCONT)
     kinds = _check_outcomes(run)
     assert stream.ended_with_error_event, stream.events[-3:]
@@ -308,7 +309,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     assert kinds.get("ok", 0) == len(run.outcomes), kinds
     moved = [o for o in run.outcomes if o.latency_s > HEADER_TIMEOUT_S]
     assert all(o.latency_s < HEADER_TIMEOUT_S + 20 for o in run.outcomes)
-    avoid_s = run.timeline.avoid_time_s(victim.base_url, stopped_at)
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, stopped_at, resumed_at)
     assert avoid_s <= AVOID_BOUND_S
     drop_s = _aborted_in_vllm(victim)
     fleet.settle()
