@@ -1,17 +1,17 @@
 """Fault injection against real vLLM-on-CPU replicas (tiny dummy model) behind the gateway.
 
-Two patched replicas (LARRY + ``/stats``) are shared by the module; the gateway runs as a CLI
-child process. Each scenario picks as its victim the replica that runs a long stream:
+Two patched replicas (LARRY + ``/stats``) are shared by the module; the gateway (SAL policy)
+runs as a CLI child process. Scenarios:
 
 * a client disconnect through the gateway aborts the request in vLLM (``/stats`` shows
-  nothing running soon after, the generated-token counter stops, vLLM counts an abort);
-* SIGSTOP of the engine process alone (its API server keeps serving ``/stats`` from shared
-  memory with a frozen heartbeat): the open stream ends with an SSE error event after the
-  idle timeout, new requests stop going there, and after SIGCONT the engine drops what the
-  gateway abandoned;
-* SIGSTOP of the whole API server: the open stream ends with an error event, requests sent
-  to it are cancelled at the stream-header timeout and answered by the other replica, and
-  after SIGCONT vLLM does not run them to the end (nothing generated twice);
+  nothing running soon after, the generated-token counter stops, nothing counted finished);
+* SIGSTOP of an idle replica's engine process alone (its API server keeps serving ``/stats``
+  from shared memory with a frozen, idle-looking heartbeat, the replica SAL would prefer):
+  new requests stop going there, the few sent before that end with an SSE error event after
+  the idle timeout, and after SIGCONT the engine drops what the gateway abandoned;
+* SIGSTOP of a whole API server while a long stream runs on each replica: its stream ends with
+  an error event, requests sent to it are cancelled at the stream-header timeout and answered
+  by the other replica, and after SIGCONT vLLM does not run them (nothing generated twice);
 * SIGKILL of the replica mid-stream, then a restart on the same port: the stream ends with an
   error event at once, new requests go to the other replica, the restarted one is used again.
 
@@ -59,7 +59,7 @@ HEADER_TIMEOUT_S = 3.0
 IDLE_TIMEOUT_S = 5.0
 AVOID_BOUND_S = 6.0
 """Generous "stops routing there" bound on a 2-core box; the target (2 s) is reported."""
-LONG = {"max_tokens": 1500, "ignore_eos": True}
+LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~10 s on this CPU; context is 2048
 
 
 @dataclass
@@ -187,7 +187,7 @@ def _load(fleet: VllmFleet, prefix: str) -> tuple[TrackedLoad, MetricsTimeline]:
     load = TrackedLoad(
         fleet.gateway,
         model=MODEL,
-        rate_per_s=4.0,
+        rate_per_s=6.0,
         concurrency=16,
         max_tokens=8,
         hang_s=60.0,
@@ -225,8 +225,9 @@ def test_client_disconnect_aborts_the_request_in_vllm(fleet: VllmFleet) -> None:
     stream.close()
     abort_s = _aborted_in_vllm(victim)
     after = replica_counters(victim.base_url)
-    assert after.get("success_abort", 0) - before.get("success_abort", 0) == 1
-    assert after.get("success_length", 0) == before.get("success_length", 0)
+    # Not finished (vLLM 0.32 does not count client aborts in request_success_total).
+    for reason in ("success_stop", "success_length"):
+        assert after.get(reason, 0) == before.get(reason, 0)
     cancels = metric_sum(fleet.metrics(), "sal_upstream_cancels_total") - metric_sum(
         gw_before, "sal_upstream_cancels_total"
     )
@@ -240,13 +241,15 @@ def test_client_disconnect_aborts_the_request_in_vllm(fleet: VllmFleet) -> None:
 
 
 def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet) -> None:
+    """An idle replica's engine stops; its API server keeps answering with the last (idle)
+    snapshot, the very replica SAL would prefer."""
     fleet.settle()
-    stream = LongStream(fleet.gateway).start()
-    victim = _victim(fleet)
+    victim = fleet.replicas[0]
     assert victim.proc is not None
     engine = engine_core_pid(victim.proc.pid)
     finished_before = fleet.finished()
     with background_load(*_load(fleet, "engine-stop-")) as run:
+        time.sleep(1.0)
         frozen_at = time.monotonic()
         os.kill(engine, signal.SIGSTOP)
         try:
@@ -255,20 +258,21 @@ def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet)
             time.sleep(1.5)
             second = httpx.get(f"{victim.base_url}/stats", timeout=2.0).json()
             assert (first["time"], first["step"]) == (second["time"], second["step"])
-            wait_for(lambda: stream.ended_at is not None, IDLE_TIMEOUT_S + 10, "stream end")
-            time.sleep(max(0.0, frozen_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
+            time.sleep(max(0.0, frozen_at + IDLE_TIMEOUT_S + 3 - time.monotonic()))
             samples = fleet.metrics()
         finally:
             resumed_at = time.monotonic()
             os.kill(engine, signal.SIGCONT)
     kinds = _check_outcomes(run)
-    assert stream.ended_with_error_event, stream.events[-3:]
-    assert stream.ended_at is not None
-    assert stream.ended_at - frozen_at < IDLE_TIMEOUT_S + 5
     assert metric_sum(samples, "sal_backend_healthy", backend=victim.base_url) == 0.0
     avoid_s = run.timeline.avoid_time_s(victim.base_url, frozen_at, resumed_at)
     assert avoid_s <= AVOID_BOUND_S
-    # Requests sent once the gateway avoids the frozen replica are all answered.
+    # Requests sent to it before that got their headers, then silence: an SSE error event
+    # after the idle timeout. Everything sent later is answered.
+    broken = [o for o in run.outcomes if o.kind != "ok"]
+    assert all(o.kind == "error_event" for o in broken), broken
+    assert all(frozen_at - 0.5 < o.sent_s < frozen_at + avoid_s + 0.2 for o in broken), broken
+    assert all(o.latency_s < IDLE_TIMEOUT_S + 5 for o in broken), broken
     late = [o for o in run.outcomes if o.sent_s > frozen_at + avoid_s + 0.2]
     assert late
     assert all(o.kind == "ok" for o in late), late
@@ -278,7 +282,6 @@ def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet)
     measured(
         "engine SIGSTOP (vLLM)",
         avoid_s=avoid_s,
-        stream_error_after_s=stream.ended_at - frozen_at,
         idle_in_vllm_after_sigcont_s=drop_s,
         readmitted_after_sigcont_s=time.monotonic() - resumed_at,
         **kinds,
@@ -287,8 +290,15 @@ def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet)
 
 def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) -> None:
     fleet.settle()
-    stream = LongStream(fleet.gateway).start()
-    victim = _victim(fleet)
+    # One long stream on each replica, so that both look equally loaded and new requests
+    # keep going to the victim until the gateway notices it froze.
+    streams = [LongStream(fleet.gateway).start() for _ in fleet.replicas]
+    wait_for(
+        lambda: all(replica_busy(r.base_url) == 1 for r in fleet.replicas),
+        10.0,
+        "one long stream on each replica",
+    )
+    victim = fleet.replicas[0]
     assert victim.proc is not None
     finished_before = fleet.finished()
     cancels_before = metric_sum(fleet.metrics(), "sal_upstream_cancels_total")
@@ -296,18 +306,27 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
         stopped_at = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
-            wait_for(lambda: stream.ended_at is not None, IDLE_TIMEOUT_S + 10, "stream end")
+            wait_for(
+                lambda: any(s.ended_at is not None for s in streams),
+                IDLE_TIMEOUT_S + 10,
+                "the frozen replica's stream to end",
+            )
             time.sleep(max(0.0, stopped_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
         finally:
             resumed_at = time.monotonic()
             os.kill(victim.proc.pid, signal.SIGCONT)
+    broken = next(s for s in streams if s.ended_at is not None)
+    survivor = next(s for s in streams if s is not broken)
+    assert survivor.ended_at is None, survivor.events[-3:]  # the other replica's stream lives on
+    survivor.close()
     kinds = _check_outcomes(run)
-    assert stream.ended_with_error_event, stream.events[-3:]
-    assert stream.ended_at is not None
+    assert broken.ended_with_error_event, (len(broken.events), broken.events[-3:])
+    assert broken.ended_at is not None
     # New requests are all answered: the ones sent to the frozen server move after the
     # stream-header timeout.
     assert kinds.get("ok", 0) == len(run.outcomes), kinds
     moved = [o for o in run.outcomes if o.latency_s > HEADER_TIMEOUT_S]
+    assert moved
     assert all(o.latency_s < HEADER_TIMEOUT_S + 20 for o in run.outcomes)
     avoid_s = run.timeline.avoid_time_s(victim.base_url, stopped_at, resumed_at)
     assert avoid_s <= AVOID_BOUND_S
@@ -319,7 +338,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     measured(
         "API server SIGSTOP (vLLM)",
         avoid_s=avoid_s,
-        stream_error_after_s=stream.ended_at - stopped_at,
+        stream_error_after_s=broken.ended_at - stopped_at,
         moved_after_header_timeout=len(moved),
         idle_in_vllm_after_sigcont_s=drop_s,
         gateway_upstream_cancels=int(cancels),
