@@ -181,12 +181,8 @@ def row_line(row: Row) -> str:
 
 
 def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return (
-            "n/a"
-            if not math.isfinite(value)
-            else f"{value:.3g}"
-            if abs(value) < 10
-            else f"{value:.1f}"
-        )
-    return str(value)
+    if not isinstance(value, float):
+        return str(value)
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"

@@ -137,13 +137,19 @@ class LongStream:
 
     gateway: str
     events: list[str] = field(default_factory=list)
+    status: int | None = None
     ended_at: float | None = None
     _response: httpx.Response | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> LongStream:
         threading.Thread(target=self._read, daemon=True).start()
-        wait_for(lambda: len(self.events) >= 3, 60.0, "the long stream's first tokens")
+        wait_for(
+            lambda: len(self.events) >= 3 or self.ended_at is not None,
+            60.0,
+            "the long stream's first tokens",
+        )
+        assert self.ended_at is None, (self.status, self.events[-3:])
         return self
 
     def _read(self) -> None:
@@ -153,6 +159,9 @@ class LongStream:
                 "POST", f"{self.gateway}/v1/completions", json=body, timeout=120.0
             ) as resp:
                 self._response = resp
+                self.status = resp.status_code
+                if resp.status_code != 200:
+                    self.events.append(resp.read().decode(errors="replace"))
                 for line in resp.iter_lines():
                     if line.startswith("data:"):
                         self.events.append(line[5:].strip())
@@ -178,8 +187,13 @@ class LongStream:
 
 def _victim(fleet: VllmFleet) -> LocalReplica:
     """The replica running the long stream."""
-    busy = [r for r in fleet.replicas if replica_busy(r.base_url) > 0]
-    assert len(busy) == 1, "expected exactly one busy replica"
+    busy: list[LocalReplica] = []
+
+    def one_busy() -> bool:
+        busy[:] = [r for r in fleet.replicas if replica_busy(r.base_url) > 0]
+        return len(busy) == 1
+
+    wait_for(one_busy, 10.0, "exactly one busy replica")
     return busy[0]
 
 
