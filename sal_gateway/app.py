@@ -64,6 +64,10 @@ logger = logging.getLogger("sal_gateway.app")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
+BODY_GRACE_S = 1.0
+"""The handler's own body deadline is this much later than ``listen.body_timeout_s``: under
+``sal-gateway serve`` the HTTP protocol cuts first (`http_protocol`); this one serves other
+ASGI servers."""
 PARSE_IN_THREAD_BYTES = 256 * 1024
 """Bodies larger than this are JSON-decoded and validated in the worker pool, not on the loop."""
 TEMPLATE_WORKERS = 2
@@ -197,7 +201,7 @@ async def read_body(request: Request, max_body_bytes: int, timeout_s: float | No
             return await _read_body(request, max_body_bytes)
     except TimeoutError:
         raise RequestTimeout(
-            f"request body not received within {timeout_s:g} s (listen.body_timeout_s)"
+            f"request body not received within {timeout_s:g} s (listen.body_timeout_s + 1)"
         ) from None
 
 
@@ -313,7 +317,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     model_label = "unknown"  # unconfigured names never become label values
     try:
         raw = await read_body(
-            request, rt.config.proxy.max_body_bytes, rt.config.listen.body_timeout_s
+            request, rt.config.proxy.max_body_bytes, rt.config.listen.body_timeout_s + BODY_GRACE_S
         )
         inbound = await _parse(raw, endpoint, rt)
         counter = rt.counters.get(inbound.model)
