@@ -29,7 +29,15 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.hostile import Hostile, Models, hostile_requests, send_raw
+from bench.hostile import (
+    MAX_BODY_BYTES,
+    NESTED_LOOP,
+    Hostile,
+    Models,
+    hostile_requests,
+    http,
+    send_raw,
+)
 from bench.processes import PortAllocator, ServerGroup
 
 HELP = "hostile-request fuzz: 5xx, loop lag, memory and well-formed latency quiet vs fuzzed"
@@ -168,6 +176,33 @@ async def _run(url: str, n: int, seed: int, concurrency: int, quiet: int) -> Fuz
     return r
 
 
+def single_request_lags(url: str) -> dict[str, float]:
+    """The largest event loop lag (histogram bucket bound) while one hostile request of each
+    heavy kind is served alone: a 10 MiB body, a ~100k-token prompt, a runaway template."""
+    models = Models()
+    ids = json.dumps({"model": models.plain, "prompt": [7] * (MAX_BODY_BYTES // 3 - 100)})
+    words = " ".join(f"w{i % 977}x" for i in range(50_000))  # ~100k tokens (tiny tokenizer)
+    long_prompt = json.dumps({"model": models.plain, "prompt": words, "max_tokens": 1})
+    runaway = json.dumps(
+        {"model": models.trusted, "messages": [{"role": "user", "content": "x"}],
+         "chat_template": NESTED_LOOP}
+    )  # fmt: skip
+    cases = {
+        "10 MiB token-ID body": http("POST", "/v1/completions", ids.encode()),
+        "~100k-token prompt": http("POST", "/v1/completions", long_prompt.encode()),
+        "runaway trusted template": http("POST", "/v1/chat/completions", runaway.encode()),
+    }
+    port = int(url.rsplit(":", 1)[1])
+    out = {}
+    for name, data in cases.items():
+        time.sleep(1.0)  # the template workers start in the background
+        before = _lag_buckets(_scrape(url))
+        asyncio.run(send_raw("127.0.0.1", port, data))
+        time.sleep(0.2)
+        out[name] = lag_quantile(before, _lag_buckets(_scrape(url)), 1.0)
+    return out
+
+
 def run_fuzz(
     url: str, n: int, seed: int = 1, concurrency: int = 16, quiet: int = 200
 ) -> FuzzResult:
@@ -270,6 +305,12 @@ def run(args: argparse.Namespace) -> int:
         model_dir = tiny_model.build(work / "tiny-llama")
         for i in range(args.runs):
             with running_gateway(work, model_dir) as url:
+                singles = single_request_lags(url)
+                print(
+                    "largest loop lag (bucket bound) per single hostile request: "
+                    + ", ".join(f"{k}: <= {v * 1e3:g} ms" for k, v in singles.items()),
+                    flush=True,
+                )
                 r = run_fuzz(url, args.requests, args.seed + i, args.concurrency, args.quiet)
             results.append(r)
             if r.server_errors:
