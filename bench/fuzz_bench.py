@@ -216,8 +216,8 @@ def run_fuzz(
     return r
 
 
-def gateway_config(port: int, backend: str, model_dir: Path) -> dict[str, object]:
-    """Two models on one fake backend: request templates refused / trusted."""
+def gateway_config(port: int, backends: list[str], model_dir: Path) -> dict[str, object]:
+    """Two models on the fake backends: request templates refused / trusted."""
     models = Models()
     return {
         "listen": {
@@ -227,11 +227,11 @@ def gateway_config(port: int, backend: str, model_dir: Path) -> dict[str, object
             "body_timeout_s": 5.0,
         },
         "models": [
-            {"name": models.plain, "tokenizer": str(model_dir), "backends": [backend]},
+            {"name": models.plain, "tokenizer": str(model_dir), "backends": backends},
             {
                 "name": models.trusted,
                 "tokenizer": str(model_dir),
-                "backends": [backend],
+                "backends": backends,
                 "trust_request_chat_template": True,
             },
         ],
@@ -243,21 +243,24 @@ def gateway_config(port: int, backend: str, model_dir: Path) -> dict[str, object
 
 @contextmanager
 def running_gateway(work: Path, model_dir: Path) -> Iterator[str]:
-    """A fake backend and ``sal-gateway serve`` in child processes; yields the gateway URL."""
+    """Two fake backends and ``sal-gateway serve`` in child processes (as in a fleet: a
+    failed upstream connection is retried on the other); yields the gateway URL."""
     # A start that differs per process: parallel runs (CI, other benchmarks) rarely collide.
     start = 20000 + (os.getpid() * 7) % 8000
     ports = PortAllocator(start, start + 2000)
     with ServerGroup() as group:
-        fake_port = ports.take()
-        backend = f"http://127.0.0.1:{fake_port}"
-        group.start(
-            ["-m", "bench.fake_backend_server", "--port", str(fake_port)],
-            f"{backend}/health",
-            work / "backend.log",
-        )
+        backends = []
+        for name in ("a", "b"):
+            fake_port = ports.take()
+            backends.append(f"http://127.0.0.1:{fake_port}")
+            group.start(
+                ["-m", "bench.fake_backend_server", "--port", str(fake_port)],
+                f"{backends[-1]}/health",
+                work / f"backend-{name}.log",
+            )
         gw_port = ports.take()
         config = work / "gateway.yaml"
-        config.write_text(yaml.safe_dump(gateway_config(gw_port, backend, model_dir)))
+        config.write_text(yaml.safe_dump(gateway_config(gw_port, backends, model_dir)))
         url = f"http://127.0.0.1:{gw_port}"
         group.start(
             ["-m", "sal_gateway.cli", "serve", "--config", str(config)],

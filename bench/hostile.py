@@ -72,12 +72,18 @@ _WEIRD: tuple[Any, ...] = (
     None, True, False, 0, -1, 1.5, -1e308, 1e308, 2**63, -(2**63), "", "x", "\u0000",
     [], [1], [[]], {}, {"a": 1}, [None], ["x", 1], [{"role": "user"}],
 )  # fmt: skip
-_FIELDS = (
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "n",
-    "best_of", "chat_template", "chat_template_kwargs", "tools", "documents",
-    "add_generation_prompt", "continue_final_message", "add_special_tokens", "stream_options",
-    "echo", "temperature", "logprobs", "tool_choice", "response_format", "stop", "seed",
+_COMMON_FIELDS = (
+    "model", "max_tokens", "stream", "n", "best_of", "add_special_tokens", "stream_options",
+    "temperature", "logprobs", "stop", "seed",
 )  # fmt: skip
+_CHAT_FIELDS = (
+    *_COMMON_FIELDS, "messages", "max_completion_tokens", "chat_template",
+    "chat_template_kwargs", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tool_choice", "response_format",
+)  # fmt: skip
+_COMPLETION_FIELDS = (*_COMMON_FIELDS, "prompt", "echo")
+"""Fields of each endpoint (a field of the other endpoint is ignored by vLLM, and our fake
+backend, standing in for vLLM, does not validate them)."""
 
 
 _WEIGHTS = {"sizes": 0.3}
@@ -135,8 +141,9 @@ class Generator:
             body["messages"] = [{"role": "user", "content": "hi"}]
         else:
             body["prompt"] = "hi"
+        fields = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
         for _ in range(self.rng.randrange(1, 4)):
-            body[self.rng.choice(_FIELDS)] = self.rng.choice(_WEIRD)
+            body[self.rng.choice(fields)] = self.rng.choice(_WEIRD)
         return Hostile("", _post(_CHAT if chat else _COMP, body))
 
     def kind_messages(self) -> Hostile:
@@ -295,7 +302,7 @@ def hostile_requests(seed: int, n: int, models: Models | None = None) -> Iterato
         yield gen.next()
 
 
-async def send_raw(host: str, port: int, data: bytes, timeout_s: float = 30.0) -> int | None:
+async def send_raw(host: str, port: int, data: bytes, timeout_s: float = 60.0) -> int | None:
     """Send one raw request on a fresh connection; the response status, or None when the
     server closed (or reset) without a status line."""
     try:

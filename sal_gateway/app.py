@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -239,6 +240,13 @@ def _error_response(exc: GatewayError) -> JSONResponse:
 
 
 _NOT_FORWARDED = frozenset({"authorization", "x-request-id", "content-encoding", "expect"})
+# RFC 9110 token: a name our HTTP parser let through but the upstream client refuses (or the
+# backend chokes on) would fail the request as if the backend were down, and mark it suspect.
+_FORWARDABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _clean(value: str) -> bool:
+    return all(c == "\t" or " " <= c != "\x7f" for c in value)
 
 
 def request_id_of(request: Request) -> str:
@@ -255,7 +263,7 @@ def forward_headers(request: Request, rt: Runtime, request_id: str) -> dict[str,
     headers = {
         k: v
         for k, v in upstream_headers(request.headers).items()
-        if k.lower() not in _NOT_FORWARDED
+        if k.lower() not in _NOT_FORWARDED and _FORWARDABLE_NAME.fullmatch(k) and _clean(v)
     }
     headers["X-Request-Id"] = request_id
     if rt.backend_key is not None:
