@@ -59,6 +59,10 @@ def _raw_error(status: int, message: str) -> bytes:
     return head.encode("ascii") + body
 
 
+class _HeadersTooLarge(Exception):
+    pass
+
+
 class DeadlineProtocol(HttpToolsProtocol):
     """`HttpToolsProtocol` plus header/body deadlines; configure via `deadline_protocol()`."""
 
@@ -72,6 +76,8 @@ class DeadlineProtocol(HttpToolsProtocol):
         self._awaiting_headers = False
         self._header_bytes = 0
         self._lingering = False
+        self._parsed_header_bytes = 0
+        self._headers_too_large = False
 
     def _answer_and_close(self, status: int, message: str) -> None:
         """Send a final error and close lingering (see the module docstring)."""
@@ -136,7 +142,23 @@ class DeadlineProtocol(HttpToolsProtocol):
         ):
             self._answer_and_close(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
 
+    def _count_header_bytes(self, n: int) -> None:
+        # Headers that arrive in one read are parsed before `data_received` can count them.
+        self._parsed_header_bytes += n
+        if self._parsed_header_bytes > MAX_HEADER_BYTES:
+            self._headers_too_large = True
+            raise _HeadersTooLarge  # httptools turns it into a parser error: 431 below
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
     def on_message_begin(self) -> None:
+        self._parsed_header_bytes = 0
         super().on_message_begin()
         if not self._awaiting_headers:  # a later request on a kept-alive connection
             self._awaiting_headers = True
@@ -153,7 +175,10 @@ class DeadlineProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        self._answer_and_close(400, msg)
+        if self._headers_too_large:
+            self._answer_and_close(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
+        else:
+            self._answer_and_close(400, msg)
 
 
 def deadline_protocol(

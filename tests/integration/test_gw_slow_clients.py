@@ -169,6 +169,16 @@ def test_oversized_headers_are_431(gateway: str) -> None:
         return data
 
     assert asyncio.run(send()).startswith(b"HTTP/1.1 431")
+
+    async def send_in_one_piece() -> bytes:  # parsed within a single read
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70_000 + b"\r\n\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10.0)
+        writer.close()
+        return data
+
+    assert asyncio.run(send_in_one_piece()).startswith(b"HTTP/1.1 431")
     assert httpx.get(f"{gateway}/health").status_code == 200
 
 
