@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench import experiments, real_path, simulate_cmd, soak
+from bench import experiments, fuzz_bench, real_path, simulate_cmd, soak
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,7 @@ COMMANDS: tuple[Command, ...] = (
         _remainder,
         _run_larry_vllm_bench,
     ),
+    Command("fuzz", fuzz_bench.HELP, fuzz_bench.configure, fuzz_bench.run),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 

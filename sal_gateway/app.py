@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -64,8 +65,17 @@ logger = logging.getLogger("sal_gateway.app")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
+BODY_GRACE_S = 1.0
+"""The handler's own body deadline is this much later than ``listen.body_timeout_s``: under
+``sal-gateway serve`` the HTTP protocol cuts first (`http_protocol`); this one serves other
+ASGI servers."""
 PARSE_IN_THREAD_BYTES = 256 * 1024
 """Bodies larger than this are JSON-decoded and validated in the worker pool, not on the loop."""
+LARGE_BODY_SLOTS = 4
+"""Requests with a body over `PARSE_IN_THREAD_BYTES` (declared, or chunked) read, decode and
+count at most this many at a time: bounds their memory (slots x ``proxy.max_body_bytes``)
+and the GIL time their decoding takes from the event loop. Others wait, within their body
+deadline."""
 TEMPLATE_WORKERS = 2
 """Processes rendering trusted request templates (only started when some model trusts them)."""
 
@@ -91,6 +101,9 @@ class Runtime:
     """Renderers of trusted request templates (None: no model trusts them)."""
     backend_key: str | None = None
     """Sent upstream as ``Authorization: Bearer`` (never the client's own)."""
+    large_bodies: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(LARGE_BODY_SLOTS)
+    )
 
     async def aclose(self) -> None:
         for task in self.tasks:
@@ -201,7 +214,7 @@ async def read_body(request: Request, max_body_bytes: int, timeout_s: float | No
             return await _read_body(request, max_body_bytes)
     except TimeoutError:
         raise RequestTimeout(
-            f"request body not received within {timeout_s:g} s (listen.body_timeout_s)"
+            f"request body not received within {timeout_s:g} s (listen.body_timeout_s + 1)"
         ) from None
 
 
@@ -230,6 +243,16 @@ def _error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers or None)
 
 
+_NOT_FORWARDED = frozenset({"authorization", "x-request-id", "content-encoding", "expect"})
+# RFC 9110 token: a name our HTTP parser let through but the upstream client refuses (or the
+# backend chokes on) would fail the request as if the backend were down, and mark it suspect.
+_FORWARDABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _clean(value: str) -> bool:
+    return all(c == "\t" or " " <= c != "\x7f" for c in value)
+
+
 def request_id_of(request: Request) -> str:
     """The id `FrontDoor` gave this request (a fresh one if it did not run)."""
     rid = request.scope.get("state", {}).get("request_id")
@@ -237,12 +260,14 @@ def request_id_of(request: Request) -> str:
 
 
 def forward_headers(request: Request, rt: Runtime, request_id: str) -> dict[str, str]:
-    """Headers sent upstream: the client's minus hop-by-hop ones and its credentials; our
-    request id; the configured backend key, if any."""
+    """Headers sent upstream: the client's minus hop-by-hop ones, its credentials and what
+    described the body as it arrived (it was validated as plain JSON: a forwarded
+    ``Content-Encoding: gzip`` or ``Expect`` would make the backend fail the request, and the
+    gateway would blame the backend); our request id; the configured backend key, if any."""
     headers = {
         k: v
         for k, v in upstream_headers(request.headers).items()
-        if k.lower() not in ("authorization", "x-request-id")
+        if k.lower() not in _NOT_FORWARDED and _FORWARDABLE_NAME.fullmatch(k) and _clean(v)
     }
     headers["X-Request-Id"] = request_id
     if rt.backend_key is not None:
@@ -278,9 +303,10 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
 
 
 async def _parse(raw: bytes, endpoint: Endpoint, rt: Runtime) -> InboundRequest:
-    parse = functools.partial(parse_body, raw, endpoint, max_n=rt.config.limits.max_n)
+    max_n = rt.config.limits.max_n
     if len(raw) <= PARSE_IN_THREAD_BYTES:
-        return parse()
+        return parse_body(raw, endpoint, max_n=max_n)
+    parse = functools.partial(parse_body, raw, endpoint, max_n=max_n, yielding=True)
     return await asyncio.get_running_loop().run_in_executor(rt.executor, parse)
 
 
@@ -312,20 +338,45 @@ def _count_rejection(rt: Runtime, exc: GatewayError) -> None:
         rt.metrics.rejected.labels(reason="template").inc()
 
 
-async def _generate(request: Request, endpoint: Endpoint) -> Response:
-    rt: Runtime = request.app.state.runtime
-    model_label = "unknown"  # unconfigured names never become label values
-    try:
-        raw = await read_body(
-            request, rt.config.proxy.max_body_bytes, rt.config.listen.body_timeout_s
-        )
+def _is_large(request: Request) -> bool:
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return True  # chunked: could be anything up to the limit
+    return not declared.isdigit() or int(declared) > PARSE_IN_THREAD_BYTES
+
+
+async def _admit(
+    request: Request, endpoint: Endpoint, rt: Runtime
+) -> tuple[InboundRequest, bytes, PromptCount]:
+    """Read, validate and count one request (large ones within `LARGE_BODY_SLOTS`)."""
+    deadline_s = rt.config.listen.body_timeout_s + BODY_GRACE_S
+    async with contextlib.AsyncExitStack() as stack:
+        if _is_large(request):
+            try:
+                async with asyncio.timeout(deadline_s):
+                    await stack.enter_async_context(rt.large_bodies)
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"request body not received within {deadline_s:g} s (waiting for a slot "
+                    "among the large requests in progress)"
+                ) from None
+        raw = await read_body(request, rt.config.proxy.max_body_bytes, deadline_s)
         inbound = await _parse(raw, endpoint, rt)
         counter = rt.counters.get(inbound.model)
         if counter is None:
             raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
-        model_label = inbound.model
         count = await _count(rt, counter, inbound, raw)
         check_length(count, inbound.max_tokens, counter.max_model_len)
+        return inbound, raw, count
+    raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions
+
+
+async def _generate(request: Request, endpoint: Endpoint) -> Response:
+    rt: Runtime = request.app.state.runtime
+    model_label = "unknown"  # unconfigured names never become label values
+    try:
+        inbound, raw, count = await _admit(request, endpoint, rt)
+        model_label = inbound.model
         rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
         if count.estimated:
             rt.metrics.prompt_tokens_estimated.labels(model=model_label).inc()

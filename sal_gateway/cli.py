@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -74,6 +75,9 @@ def serve(config: GatewayConfig) -> None:
             runtime.metrics.rejected.labels(reason=reason).inc()
 
     listen = config.listen
+    # Tokenizers and transformers leave ~10^5 long-lived objects; every full garbage collection
+    # would scan them all on the event loop's thread. Frozen, they are skipped.
+    gc.freeze()
     uvicorn.run(
         app,
         host=config.listen.host,

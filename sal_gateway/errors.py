@@ -14,8 +14,8 @@
     ├── RequestTimeout      408       body not received within ``listen.body_timeout_s``
     ├── BodyTooLarge        413       body over `proxy.max_body_bytes`
     ├── TooManyRequests     429       over ``limits.max_concurrent_requests`` (``Retry-After``)
+    │   └── TemplateBusy    429       every template worker busy (``Retry-After``)
     ├── NoBackendAvailable  503       no eligible backend for the model
-    ├── TemplateBusy        503       every template worker busy (``Retry-After``)
     └── UpstreamError       502       the backend failed before answering (connect refused,
         └── UpstreamTimeout 504       reset, malformed answer) / timed out
 
@@ -121,15 +121,17 @@ class TooManyRequests(GatewayError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+class TemplateBusy(TooManyRequests):
+    """Every request-template renderer stayed busy (a capacity limit, like the one above)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s)
+        self.param = "chat_template"
+
+
 class NoBackendAvailable(GatewayError):
     status = 503
     error_type = "service_unavailable"
-
-
-class TemplateBusy(NoBackendAvailable):
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message, param="chat_template")
-        self.headers["Retry-After"] = str(retry_after_s)
 
 
 class UpstreamError(GatewayError):

@@ -3,7 +3,7 @@
 `TemplatePool` keeps ``size`` `template_worker` processes. `render()` hands one the raw request
 body and waits at most ``timeout_s`` for the rendered text; a worker that overruns is killed
 (SIGKILL) and replaced in the background, and the client gets a 400 naming the budget
-(`TemplateTimeout`). Waiting for a free worker is bounded too (`TemplateBusy`, 503 with
+(`TemplateTimeout`). Waiting for a free worker is bounded too (`TemplateBusy`, 429 with
 ``Retry-After``). Nothing here blocks the event loop: the pipes are asyncio streams and the
 gateway only copies the body bytes it already holds.
 
@@ -26,8 +26,8 @@ from sal_gateway.errors import BadRequest, TemplateBusy, TemplateTimeout
 
 logger = logging.getLogger("sal_gateway.template_pool")
 
-ACQUIRE_TIMEOUT_S = 30.0
-"""Longest wait for a free worker (covers a replacement's start-up) before a 503."""
+ACQUIRE_TIMEOUT_S = 10.0
+"""Longest wait for a free worker (covers a replacement's start-up) before a 429."""
 START_TIMEOUT_S = 120.0
 """A worker that does not report ready within this is killed and retried."""
 _READ_LIMIT_BYTES = 128 * 1024 * 1024
@@ -62,11 +62,11 @@ class _Worker:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 header = await worker._read_header()
-        except BaseException:
-            worker.kill()
+        except BaseException:  # cancelled (shutdown) or failed: reap it, never leave a zombie
+            await worker.reap()
             raise
         if not header.get("ready"):
-            worker.kill()
+            await worker.reap()
             raise _WorkerDied(f"template worker did not start: {header}")
         return worker
 
@@ -101,6 +101,12 @@ class _Worker:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+
+    async def reap(self) -> None:
+        """Kill the process and wait for it (closes its pipes)."""
+        self.kill()
+        with contextlib.suppress(ProcessLookupError, TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 5.0)
 
 
 class TemplatePool:
@@ -146,6 +152,9 @@ class TemplatePool:
     def _discard(self, worker: _Worker) -> None:
         worker.kill()
         self._all.discard(worker)
+        reaping = asyncio.create_task(worker.reap(), name="template worker reap")
+        self._starting.add(reaping)
+        reaping.add_done_callback(self._starting.discard)
         self._replace()
 
     async def render(self, raw_body: bytes, special: dict[str, Any]) -> str:
@@ -194,7 +203,5 @@ class TemplatePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for worker in list(self._all):
-            worker.kill()
-            with contextlib.suppress(ProcessLookupError):
-                await worker.proc.wait()
+            await worker.reap()
         self._all.clear()

@@ -99,12 +99,14 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
 
 
 def main() -> None:
+    with contextlib.suppress(OSError):
+        # Start-up (a second of imports) and runaway templates alike must not take CPU from
+        # the gateway's event loop.
+        os.nice(10)
     import transformers.utils.chat_template_utils  # noqa: F401  (import before the cap)
 
     limit = _address_space_bytes() + MEMORY_HEADROOM_BYTES
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    with contextlib.suppress(OSError):
-        os.nice(10)  # a runaway template must not take CPU from the gateway's event loop
     _answer(sys.stdout.buffer, {"ready": True})
     serve(sys.stdin.buffer, sys.stdout.buffer)
 
