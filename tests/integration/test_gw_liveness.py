@@ -142,7 +142,7 @@ def test_nan_in_stock_vllm_metrics_is_counted_and_the_poller_survives() -> None:
 def test_unexpected_exception_is_counted_as_internal_and_polling_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import sal_gateway.poller as poller_module
+    import sal_gateway.poll_fetch as poller_module
 
     real = poller_module.parse_stats
     failing = threading.Event()
