@@ -72,11 +72,16 @@ class PollOutcome:
 
 def backoff_s(interval_s: float, failures: int, max_s: float, rng: random.Random) -> float:
     """Wait before the next poll: the interval (+-10%) while polls succeed; after `failures`
-    consecutive failures ``interval * 2**failures`` capped at `max_s`, times U(0.5, 1)."""
+    consecutive failures ``interval * 2**(failures - 1)`` capped at `max_s`, times U(0.5, 1).
+
+    The first retry comes no later than a normal poll would (a transient failure, such as
+    one timed-out poll of a busy replica, must not make its state stale); a backend that
+    keeps failing (dead, or answering garbage) is polled less and less often, down to once
+    per `max_s`."""
     if failures <= 0:
         return interval_s * (1.0 + rng.uniform(-_JITTER, _JITTER))
     cap = max(max_s, interval_s)
-    return min(cap, interval_s * 2.0 ** min(failures, 30)) * rng.uniform(0.5, 1.0)
+    return min(cap, interval_s * 2.0 ** min(failures - 1, 30)) * rng.uniform(0.5, 1.0)
 
 
 class _RateLimitedLog:

@@ -16,7 +16,7 @@ def test_backoff_grows_from_the_interval_and_is_capped() -> None:
     assert all(0.09 <= w <= 0.11 for w in healthy)  # +-10% jitter while polls succeed
     for failures in range(1, 40):
         waits = [backoff_s(0.1, failures, 2.0, rng) for _ in range(50)]
-        expected = min(2.0, 0.1 * 2**failures)
+        expected = min(2.0, 0.1 * 2 ** (failures - 1))
         assert all(expected * 0.5 <= w <= expected for w in waits)
         assert len(set(waits)) > 1  # jittered: pollers of many backends do not synchronise
 
@@ -24,6 +24,11 @@ def test_backoff_grows_from_the_interval_and_is_capped() -> None:
 def test_backoff_never_polls_less_often_than_the_interval_allows() -> None:
     # A cap below the interval cannot make a failing backend polled faster than a good one.
     assert backoff_s(5.0, 3, 1.0, random.Random(0)) >= 2.5
+
+
+def test_first_retry_comes_no_later_than_a_normal_poll() -> None:
+    rng = random.Random(2)
+    assert all(backoff_s(0.1, 1, 2.0, rng) <= 0.1 for _ in range(100))
 
 
 def test_repeated_failures_are_logged_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
