@@ -10,14 +10,12 @@ is handed to the main loop with ``call_soon_threadsafe``; only the main loop tou
 ages state: its age counts from the receipt.
 
 One task per backend polls every ``poll_interval_s`` on an absolute timeline (jittered by
-+-10% so that pollers of many backends do not synchronise). A poll reads ``GET /stats``
-(sal-stats/1); a 404 there means stock vLLM, and the poll reads ``GET /metrics`` instead (and
-keeps doing so while it works). Every request has the ``poll_timeout_s`` timeout and reads at
-most `MAX_BODY_BYTES`. A poll task never dies: every failure, expected or not (timeout,
-refused connection, non-200, a body that is not JSON, nested too deep, NaN, the wrong schema,
-an unexpected exception), is counted in ``sal_poll_errors_total{reason}`` (`REASONS`), logged
-at most once per `LOG_EVERY_S` per backend and reason, and retried after a jittered
-exponential backoff of up to ``routing.poll_backoff_max_s``.
++-10% so that pollers of many backends do not synchronise); what a poll reads, and how it
+fails, is `sal_gateway.poll_fetch`. A poll task never dies: every failure, expected or not
+(timeout, refused connection, non-200, a body that is not JSON, nested too deep, NaN, the
+wrong schema, an unexpected exception), is counted in ``sal_poll_errors_total{reason}``
+(`poll_fetch.REASONS`), logged at most once per `LOG_EVERY_S` per backend and reason, and
+retried after a jittered exponential backoff of up to ``routing.poll_backoff_max_s``.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
-import json
 import logging
 import random
 import threading
@@ -40,41 +37,20 @@ import aiohttp
 
 from sal_gateway.config import RoutingConfig
 from sal_gateway.metrics import GatewayMetrics
+from sal_gateway.poll_fetch import PollFailed, StateFetcher, make_poll_session
 from sal_gateway.state import StateTable
-from sal_gateway.stats import ReplicaStats, StatsSchemaError, parse_stats
-from sal_gateway.vllm_metrics import MetricsParseError, parse_vllm_metrics
+from sal_gateway.stats import ReplicaStats
 
 logger = logging.getLogger("sal_gateway.poller")
 
 _JITTER = 0.1
-MAX_BODY_BYTES = 4 * 1024 * 1024
-"""Largest ``/stats`` or ``/metrics`` body read (a sal-stats/1 body is ~400 bytes; vLLM's
-``/metrics`` some 100 KB)."""
 LOG_EVERY_S = 10.0
 """A failure that repeats is logged at most this often per backend and reason."""
-REASONS = ("timeout", "connect", "http_status", "bad_body", "schema", "no_progress", "internal")
-"""Values of ``sal_poll_errors_total``'s ``reason`` label."""
 
 _T = TypeVar("_T")
 
 Key = tuple[str, str]
 """(model, backend URL)."""
-
-
-def make_poll_session() -> aiohttp.ClientSession:
-    """The pollers' own client (call on the poll thread's loop): at most 2 connections per
-    backend, kept alive between polls (4 s idle limit, below uvicorn's/vLLM's 5 s, so a
-    reused connection is never one the backend is closing)."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=4.0)
-    return aiohttp.ClientSession(connector=connector)
-
-
-class PollFailed(Exception):
-    """One poll did not produce usable state; `reason` is one of `REASONS`."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +72,16 @@ class PollOutcome:
 
 def backoff_s(interval_s: float, failures: int, max_s: float, rng: random.Random) -> float:
     """Wait before the next poll: the interval (+-10%) while polls succeed; after `failures`
-    consecutive failures ``interval * 2**failures`` capped at `max_s`, times U(0.5, 1)."""
+    consecutive failures ``interval * 2**(failures - 1)`` capped at `max_s`, times U(0.5, 1).
+
+    The first retry comes no later than a normal poll would (a transient failure, such as
+    one timed-out poll of a busy replica, must not make its state stale); a backend that
+    keeps failing (dead, or answering garbage) is polled less and less often, down to once
+    per `max_s`."""
     if failures <= 0:
         return interval_s * (1.0 + rng.uniform(-_JITTER, _JITTER))
     cap = max(max_s, interval_s)
-    return min(cap, interval_s * 2.0 ** min(failures, 30)) * rng.uniform(0.5, 1.0)
+    return min(cap, interval_s * 2.0 ** min(failures - 1, 30)) * rng.uniform(0.5, 1.0)
 
 
 class _RateLimitedLog:
@@ -148,7 +129,6 @@ class Poller:
         self._clock = clock
         self._wall_clock = wall_clock
         self._session_factory = session_factory
-        self._timeout = aiohttp.ClientTimeout(total=routing.poll_timeout_s)
         self._log = _RateLimitedLog()
         self._generations: dict[Key, int] = {}
         """Backends being polled, with the id of their current task (main loop only)."""
@@ -157,11 +137,9 @@ class Poller:
         self._thread: threading.Thread | None = None
         # Poll-thread state (touched only on the poll thread once it runs).
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._fetcher: StateFetcher | None = None
         self._closing: asyncio.Event | None = None
         self._tasks: dict[Key, tuple[int, asyncio.Task[None]]] = {}
-        self._stock_vllm: set[Key] = set()
-        """Backends whose /stats answered 404: polled on /metrics until that fails."""
         self._rng = random.Random()
 
     # --- main-loop API ------------------------------------------------------------------
@@ -250,7 +228,8 @@ class Poller:
         self, started: concurrent.futures.Future[asyncio.AbstractEventLoop]
     ) -> None:
         self._closing = asyncio.Event()
-        self._session = self._session_factory()
+        session = self._session_factory()
+        self._fetcher = StateFetcher(session, self._routing.poll_timeout_s, self._wall_clock)
         started.set_result(asyncio.get_running_loop())
         try:
             await self._closing.wait()
@@ -260,7 +239,8 @@ class Poller:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._session.close()
+            self._fetcher = None
+            await session.close()
 
     def _deliver(self, key: Key, generation: int, outcome: PollOutcome) -> None:
         """Hand `outcome` to the main loop (poll thread)."""
@@ -285,7 +265,8 @@ class Poller:
         if entry is None or entry[0] != generation:
             return None
         del self._tasks[key]
-        self._stock_vllm.discard(key)
+        if self._fetcher is not None:
+            self._fetcher.forget(*key)
         entry[1].cancel()
         return entry[1]
 
@@ -319,7 +300,9 @@ class Poller:
         """One poll; every exception but cancellation becomes a failed outcome."""
         sent_s = self._clock()
         try:
-            stats, source = await self._poll(model, url)
+            if self._fetcher is None:
+                raise PollFailed("internal", "the poller is shutting down")
+            stats, source = await self._fetcher.fetch(model, url)
             message = ""
         except PollFailed as exc:
             stats, source, message = None, exc.reason, str(exc)
@@ -328,59 +311,6 @@ class Poller:
             stats, source = None, "internal"
             message = f"unexpected error polling {url}: {type(exc).__name__}: {exc}\n{detail}"
         return PollOutcome(stats, source, message, sent_s, self._clock(), self._wall_clock())
-
-    async def _poll(self, model: str, url: str) -> tuple[ReplicaStats, str]:
-        key = (model, url)
-        try:
-            if key in self._stock_vllm:
-                return await self._read_metrics(model, url), "metrics"
-            stats, source = await self._read_stats(model, url)
-        except PollFailed:
-            # The next poll asks /stats first again (the replica may have been upgraded).
-            self._stock_vllm.discard(key)
-            raise
-        if source == "metrics":
-            self._stock_vllm.add(key)
-        return stats, source
-
-    async def _get(self, url: str) -> tuple[int, bytes]:
-        if self._session is None:
-            raise PollFailed("internal", "the poll session is closed")
-        try:
-            async with self._session.get(url, timeout=self._timeout) as resp:
-                return resp.status, await _read_capped(resp, url)
-        except TimeoutError:
-            raise PollFailed(
-                "timeout", f"GET {url}: no answer within {self._routing.poll_timeout_s} s"
-            ) from None
-        except aiohttp.ClientPayloadError as exc:
-            raise PollFailed("bad_body", f"GET {url}: {type(exc).__name__}: {exc}") from None
-        except aiohttp.ClientError as exc:
-            raise PollFailed("connect", f"GET {url}: {type(exc).__name__}: {exc}") from None
-
-    async def _read_stats(self, model: str, url: str) -> tuple[ReplicaStats, str]:
-        status, body = await self._get(url + "/stats")
-        if status == 404:
-            return await self._read_metrics(model, url), "metrics"
-        if status != 200:
-            raise PollFailed("http_status", f"GET {url}/stats answered {status}")
-        try:
-            obj = json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            raise PollFailed("bad_body", f"GET {url}/stats: not usable JSON: {exc}") from None
-        try:
-            return parse_stats(obj), "stats"
-        except StatsSchemaError as exc:
-            raise PollFailed("schema", f"GET {url}/stats: {exc}") from None
-
-    async def _read_metrics(self, model: str, url: str) -> ReplicaStats:
-        status, body = await self._get(url + "/metrics")
-        if status != 200:
-            raise PollFailed("http_status", f"GET {url}/metrics answered {status}")
-        try:
-            return parse_vllm_metrics(body.decode("utf-8", "replace"), model, self._wall_clock())
-        except MetricsParseError as exc:
-            raise PollFailed("schema", f"GET {url}/metrics: {exc}") from None
 
     # --- the main loop: recording outcomes ------------------------------------------------
 
@@ -425,22 +355,3 @@ class Poller:
             logger.warning("ejected backend %s (model %s): %s", url, model, outcome.message)
         else:
             self._log.warning((url, outcome.source), outcome.received_s, outcome.message)
-
-
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not a number the gateway accepts")
-
-
-async def _read_capped(resp: aiohttp.ClientResponse, url: str) -> bytes:
-    """The body, or `PollFailed` (bad_body) past `MAX_BODY_BYTES` (declared or actual)."""
-    declared = resp.content_length
-    if declared is not None and declared > MAX_BODY_BYTES:
-        raise PollFailed("bad_body", f"GET {url}: body of {declared} bytes is too large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in resp.content.iter_chunked(64 * 1024):
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise PollFailed("bad_body", f"GET {url}: body larger than {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
