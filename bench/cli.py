@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench import experiments, real_path, simulate_cmd
+from bench import experiments, fuzz_bench, real_path, simulate_cmd, soak
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("simulate", simulate_cmd.HELP, simulate_cmd.configure, simulate_cmd.run),
     Command("experiments", experiments.HELP, experiments.configure, experiments.run),
     Command("real-path", real_path.HELP, real_path.configure, real_path.run),
+    Command("soak", soak.HELP, soak.configure, soak.run),
     Command(
         "gateway",
         "gateway overhead vs direct, throughput, decision and tokenization time "
@@ -66,6 +67,7 @@ COMMANDS: tuple[Command, ...] = (
         _remainder,
         _run_larry_vllm_bench,
     ),
+    Command("fuzz", fuzz_bench.HELP, fuzz_bench.configure, fuzz_bench.run),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 

@@ -174,6 +174,7 @@ def _run_one(
     policy: Any = None,
     poll_interval_s: float = 0.1,
     stats_delay_s: float = 0.0,
+    accounting: str = "ticket",
 ) -> tuple[dict[str, Any], float]:
     from engine_sim.simulator import RouterConfig, simulate
 
@@ -189,6 +190,7 @@ def _run_one(
             seed=seed,
             poll_interval_s=poll_interval_s,
             stats_delay_s=stats_delay_s,
+            accounting=accounting,
         ),
         policy=policy,
     )

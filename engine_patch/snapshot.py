@@ -12,7 +12,11 @@ Layout (little-endian, fixed size `FILE_SIZE_BYTES`)::
 
 Seqlock protocol: the writer bumps ``seq`` to odd, writes the record, bumps it to even. A
 reader reads ``seq``, the record, and ``seq`` again, and retries unless both reads are equal
-and even, so it never returns a torn record. There is one writer per file (the engine's
+and even, so it never returns a torn record. Readers run on vLLM's API-server event loop, so
+they never sleep and retry a bounded number of times (`READ_ATTEMPTS`, about a millisecond
+at worst): a writer descheduled mid-write makes the read fail (`SnapshotError`, reason
+``"torn"``; ``/stats`` answers 503 and the gateway polls again), never stalls the server.
+There is one writer per file (the engine's
 scheduler thread, plus its idle heartbeat, serialised by a lock in `SnapshotWriter`).
 A file appears atomically (written under a temporary name, then renamed), so a reader never
 sees a half-initialised header.
@@ -26,7 +30,6 @@ import mmap
 import os
 import struct
 import threading
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,10 +42,10 @@ _SEQ_OFFSET = 8
 _MODEL_NAME_BYTES = 256
 _RECORD = struct.Struct(f"<dqdB7x10qH{_MODEL_NAME_BYTES}s")
 FILE_SIZE_BYTES = 4096
-SPIN_ATTEMPTS = 100
-"""Busy retries before a reader starts sleeping between attempts (a write takes ~µs)."""
-SPIN_SLEEP_S = 0.0001
-READ_TIMEOUT_S = 0.5
+READ_ATTEMPTS = 1000
+"""Consistent-read attempts before a reader gives up (a write takes ~1 µs, an attempt about
+as long, so this outlasts any writer that is running; one descheduled mid-write is not
+waited for: ~1 ms of the API server's loop at most)."""
 
 _SCHEDULER_CODES = {"fcfs": 0, "larry": 1}
 _SCHEDULER_NAMES = {code: name for name, code in _SCHEDULER_CODES.items()}
@@ -51,7 +54,15 @@ assert _HEADER.size + _RECORD.size <= FILE_SIZE_BYTES
 
 
 class SnapshotError(RuntimeError):
-    """A snapshot file is missing, foreign, or kept changing while being read."""
+    """A snapshot file is missing, foreign, or kept changing while being read.
+
+    `reason` names the case for the ``/stats`` 503 body: ``"missing"`` (no file or nothing
+    published), ``"foreign"`` (not a SAL snapshot), ``"torn"`` (no consistent read within
+    `READ_ATTEMPTS`), ``"partial"`` (not every data-parallel engine has published)."""
+
+    def __init__(self, message: str, reason: str = "missing") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,29 +228,27 @@ class SnapshotReader:
             self._inode = st.st_ino
             if self._mm[: len(MAGIC)] != MAGIC:
                 self.close()
-                raise SnapshotError(f"{self.path} is not a SAL snapshot file")
+                raise SnapshotError(f"{self.path} is not a SAL snapshot file", "foreign")
         return self._mm
 
     def read(self) -> SnapshotRecord | None:
-        """The latest complete record, or None if the engine has not published one yet."""
+        """The latest complete record, or None if the engine has not published one yet.
+
+        Never sleeps: `SnapshotError` (reason ``"torn"``) after `READ_ATTEMPTS` inconsistent
+        reads."""
         mm = self._mapping()
-        deadline = time.monotonic() + READ_TIMEOUT_S
-        attempt = 0
-        while True:
+        for _ in range(READ_ATTEMPTS):
             (seq_before,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
             if not seq_before % 2:
                 data = mm[_HEADER.size : _HEADER.size + _RECORD.size]
                 (seq_after,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
                 if seq_before == seq_after:
                     return None if seq_before == 0 else decode_record(data)
-            attempt += 1
-            if attempt > SPIN_ATTEMPTS:
-                # The writer was descheduled mid-write (busy machine): let it run.
-                if time.monotonic() > deadline:
-                    raise SnapshotError(
-                        f"{self.path} kept changing for {READ_TIMEOUT_S * 1000:.0f} ms"
-                    )
-                time.sleep(SPIN_SLEEP_S)
+        raise SnapshotError(
+            f"{self.path}: no consistent read in {READ_ATTEMPTS} attempts (the engine was "
+            "descheduled mid-write)",
+            "torn",
+        )
 
     def close(self) -> None:
         """Unmap the file (reopened on the next `read`)."""

@@ -7,8 +7,11 @@ Each API server process (``--api-server-count N``) builds its own instance and r
 same files; no engine round-trip, no lock (the snapshot's seqlock makes reads safe).
 
 With data parallelism the body aggregates the local engines (`engine_patch.aggregate`).
-Until every local engine has published, ``/stats`` answers 503 with an OpenAI-style error
-body (the gateway then treats the replica's state as unknown).
+Until every local engine has published, or when no consistent snapshot could be read without
+waiting (`engine_patch.snapshot`: readers never sleep on the API server's event loop),
+``/stats`` answers 503 with an OpenAI-style error body whose ``code`` names the reason
+(``missing``, ``foreign``, ``torn``, ``partial``); the gateway then treats the replica's state
+as unknown for that poll.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ class SnapshotSource:
             raise SnapshotError(f"no engine has published a snapshot under {self.prefix}")
         if len(records) < expected:
             raise SnapshotError(
-                f"{len(records)} of {expected} data-parallel engines have published a snapshot"
+                f"{len(records)} of {expected} data-parallel engines have published a snapshot",
+                "partial",
             )
         return records
 
@@ -82,7 +86,14 @@ class SnapshotSource:
             payload: dict[str, Any] = stats_body(self.records())
             status = 200
         except SnapshotError as exc:
-            payload = {"error": {"message": str(exc), "type": "stats_unavailable", "code": 503}}
+            payload = {
+                "error": {
+                    "message": str(exc),
+                    "type": "stats_unavailable",
+                    "param": None,
+                    "code": exc.reason,
+                }
+            }
             status = 503
         return status, json.dumps(payload).encode()
 

@@ -12,8 +12,12 @@ The router sees state the way the gateway does:
   `poll_interval_s` and delivered `stats_delay_s` later (the staleness knob);
 * between polls, local accounting: each routed request's prompt tokens are added to that
   replica's queued prefill tokens and subtracted from its free KV tokens ("assumes nothing
-  finished"), until the next snapshot reaches the router and resets them, exactly as the
-  gateway's state table does on every successful poll;
+  finished") until a snapshot that includes the request reaches the router: one written
+  at least `accounting_grace_s` after the request was routed, exactly as the gateway's state
+  table does (`sal_gateway.state`); a request that finished first stops counting then.
+  ``accounting="reset"`` restores the gateway's earlier rule (every snapshot that reaches
+  the router resets the accounting, forgetting requests routed after it was taken), for
+  before/after comparisons;
 * in-flight counts from its own bookkeeping (+1 when routed, -1 when the last token is out).
 
 Event loop: a heap of next-event times. A busy replica has exactly one pending event, the
@@ -30,7 +34,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine_sim.cost_model import get_profile
@@ -95,8 +99,18 @@ class RouterConfig:
     """SAL's configured beta before any request finished (``routing.beta_seed``)."""
     seed: int = 0
     """Seed of the random / p2c policies."""
+    accounting: str = "ticket"
+    """``"ticket"`` (the gateway's rule) or ``"reset"`` (its earlier, forgetful rule)."""
+    accounting_grace_s: float = 0.05
+    """The gateway's ``routing.accounting_grace_s`` (``"ticket"`` accounting only)."""
 
     def __post_init__(self) -> None:
+        if self.accounting not in ACCOUNTING:
+            raise SimulationError(
+                f"accounting must be one of {', '.join(ACCOUNTING)}, got {self.accounting!r}"
+            )
+        if self.accounting_grace_s < 0:
+            raise SimulationError(f"accounting_grace_s must be >= 0, got {self.accounting_grace_s}")
         if not self.poll_interval_s > 0:
             raise SimulationError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.stats_delay_s < 0:
@@ -119,25 +133,57 @@ class SimResult:
     """SAL's beta estimate after the last finished request."""
 
 
+ACCOUNTING = ("ticket", "reset")
+"""Between-poll accounting rules (`RouterConfig.accounting`)."""
+
+
+@dataclass(slots=True)
+class _Ticket:
+    sent_s: float
+    prompt_tokens: int
+    counted: bool = True
+
+
 @dataclass(slots=True)
 class _RouterView:
     """The router's picture of one replica: last snapshot + what it routed there since."""
 
     snapshot: ReplicaStats
     routed_tokens: int = 0
-    """Prompt tokens routed here since the snapshot arrived."""
+    """Prompt tokens of routed requests the snapshot does not include (as far as we know)."""
     in_flight: int = 0
+    unacked: deque[_Ticket] = field(default_factory=deque)
 
-    def apply(self, snapshot: ReplicaStats) -> None:
-        # Like the gateway's state table (`record_poll_success`): a new snapshot replaces
-        # the numbers and resets local accounting, even for requests routed while that poll
-        # was in flight (with `stats_delay_s` > 0 those drop off the books early).
+    def apply(self, snapshot: ReplicaStats, config: RouterConfig) -> None:
+        """A snapshot reached the router (`sal_gateway.state.StateTable.record_poll_success`;
+        the simulator has one clock, so the snapshot's ``time`` needs no skew mapping)."""
         self.snapshot = snapshot
-        self.routed_tokens = 0
+        if config.accounting == "reset":
+            # The earlier rule: even requests routed while that poll was in flight drop off
+            # the books (with `stats_delay_s` > 0, before the engine could count them).
+            self.routed_tokens = 0
+            self.unacked.clear()
+            return
+        cutoff_s = snapshot.time - config.accounting_grace_s
+        while self.unacked and self.unacked[0].sent_s < cutoff_s:
+            self._uncount(self.unacked.popleft())
 
-    def route(self, prompt_tokens: int) -> None:
+    def route(self, prompt_tokens: int, now_s: float) -> _Ticket:
+        ticket = _Ticket(now_s, prompt_tokens)
         self.routed_tokens += prompt_tokens
         self.in_flight += 1
+        self.unacked.append(ticket)
+        return ticket
+
+    def finish(self, ticket: _Ticket, config: RouterConfig) -> None:
+        self.in_flight -= 1
+        if config.accounting == "ticket":
+            self._uncount(ticket)
+
+    def _uncount(self, ticket: _Ticket) -> None:
+        if ticket.counted:
+            ticket.counted = False
+            self.routed_tokens -= ticket.prompt_tokens
 
     def backend_view(self, url: str) -> BackendView:
         snap = self.snapshot
@@ -194,6 +240,7 @@ class Simulation:
         self._first_token_s: dict[str, float] = {}
         self._preemptions: dict[str, int] = {}
         self._replica_of: dict[str, int] = {}
+        self._tickets: dict[str, _Ticket] = {}
         self._index_of: dict[str, int] = {}
         self._outcomes: list[RequestOutcome] = []
         self._routed = [0] * len(engines)
@@ -273,7 +320,7 @@ class Simulation:
         if latest is None:
             return
         for view, snap in zip(self._views, latest[1], strict=True):
-            view.apply(snap)
+            view.apply(snap, self._router_cfg)
 
     def _arrive(self, index: int, now_s: float) -> None:
         req = self._requests[index]
@@ -286,7 +333,7 @@ class Simulation:
         request_id = f"r{index}"
         self._replica_of[request_id] = replica
         self._index_of[request_id] = index
-        self._views[replica].route(req.prompt_tokens)
+        self._tickets[request_id] = self._views[replica].route(req.prompt_tokens, now_s)
         self._routed[replica] += 1
         self._submit(self._engines[replica], request_id, now_s, req)
         if not self._busy[replica]:
@@ -323,7 +370,7 @@ class Simulation:
             request_id = finished.request_id
             index = self._index_of[request_id]
             req = self._requests[index]
-            self._views[replica].in_flight -= 1
+            self._views[replica].finish(self._tickets.pop(request_id), self._router_cfg)
             self._beta.observe(req.prompt_tokens, req.output_tokens)
             self._outcomes.append(
                 RequestOutcome(

@@ -48,6 +48,12 @@ class ListenConfig:
     """Seconds an idle client connection is kept open. Longer than the usual client pool
     expiry (httpx and the OpenAI SDK: 5 s), so the server never closes a connection just as a
     client reuses it (which the client sees as a read error on its next request)."""
+    header_timeout_s: float = 10.0
+    """A connection must deliver a request's complete headers within this many seconds of
+    opening (or of the request's first byte); else it is closed (slow-header clients)."""
+    body_timeout_s: float = 30.0
+    """A request body must arrive completely within this many seconds of its headers; else
+    408 and the connection is closed (slow-body clients)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,10 @@ class ModelConfig:
     fallback_max_num_batched_tokens: int = 2048
     """Per-step token budget assumed for backends without ``/stats`` (stock vLLM's
     ``/metrics`` does not expose it)."""
+    trust_request_chat_template: bool = False
+    """Accept a request-supplied ``chat_template`` (like vLLM's
+    ``--trust-request-chat-template``); rendered in a killable worker process within
+    ``limits.template_timeout_s``. False: such requests get a 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +114,13 @@ class RoutingConfig:
     """RNG seed of the ``random`` and ``p2c`` policies (None: nondeterministic)."""
     max_retries: int = 2
     """Retries on another backend after a connect failure before the first byte."""
+    poll_backoff_max_s: float = 2.0
+    """Longest wait between two polls of a failing backend: after a failed poll the next
+    comes after ``poll_interval_s * 2**(failures)``, jittered, capped at this."""
+    accounting_grace_s: float = 0.05
+    """Transit allowance of the between-poll accounting (>= 0): a snapshot written at t is
+    taken to include only the requests routed before t minus this. Larger is more
+    conservative (a request counts a little longer, never forgotten too early)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +151,42 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Bounds on what one client or request may cost the gateway."""
+
+    max_concurrent_requests: int = 1024
+    """Generation requests in progress at once (a stream counts until it ends); beyond it
+    429 with ``Retry-After``. 0: unlimited."""
+    retry_after_s: int = 1
+    """Seconds sent in ``Retry-After`` with a 429."""
+    max_n: int = 16
+    """Largest accepted ``n`` and ``best_of`` (vLLM runs one engine request per choice)."""
+    template_timeout_s: float = 2.0
+    """Time budget of rendering one request-supplied chat template (then 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Client API keys (``Authorization: Bearer``) and the key sent to the backends."""
+
+    api_keys: tuple[str, ...] = ()
+    """Accepted client keys. With no key from any source, authentication is off."""
+    api_keys_file: str | None = None
+    """File with one accepted key per line (``#`` starts a comment)."""
+    api_keys_env: str = "SAL_GATEWAY_API_KEYS"
+    """Environment variable with accepted keys (comma or whitespace separated)."""
+    open_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")
+    """Paths served without a key."""
+    backend_api_key: str | None = None
+    """Key sent upstream as ``Authorization: Bearer`` (replicas started with ``--api-key``);
+    the client's own ``Authorization`` is never forwarded."""
+    backend_api_key_file: str | None = None
+    """File holding the backend key (first non-comment line)."""
+    backend_api_key_env: str = "SAL_GATEWAY_BACKEND_API_KEY"
+    """Environment variable holding the backend key."""
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The whole gateway configuration (``config.yaml``)."""
 
@@ -142,6 +195,8 @@ class GatewayConfig:
     listen: ListenConfig = field(default_factory=ListenConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     log_level: str = "info"
     """One of critical, error, warning, info, debug."""
 
@@ -177,10 +232,33 @@ def _as_float(path: str, value: object, *, positive: bool = True) -> float:
     return result
 
 
+def _nonnegative(path: str, value: object) -> float:
+    result = _as_float(path, value, positive=False)
+    if result < 0:
+        raise ConfigError(f"{path}: must be >= 0, got {value!r}")
+    return result
+
+
 def _as_str(path: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{path}: expected a non-empty string, got {_type_name(value)} {value!r}")
     return value
+
+
+def _as_bool(path: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: expected true or false, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _optional_str(path: str, value: object) -> str | None:
+    return None if value is None else _as_str(path, value)
+
+
+def _str_list(path: str, value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of strings, got {_type_name(value)} {value!r}")
+    return tuple(_as_str(f"{path}[{i}]", v) for i, v in enumerate(value))
 
 
 def _as_mapping(path: str, value: object) -> Mapping[str, Any]:
@@ -217,6 +295,12 @@ def _listen(path: str, data: Mapping[str, Any]) -> ListenConfig:
         host=_as_str(f"{path}.host", data.get("host", d.host)),
         port=port,
         keep_alive_s=_as_float(f"{path}.keep_alive_s", data.get("keep_alive_s", d.keep_alive_s)),
+        header_timeout_s=_as_float(
+            f"{path}.header_timeout_s", data.get("header_timeout_s", d.header_timeout_s)
+        ),
+        body_timeout_s=_as_float(
+            f"{path}.body_timeout_s", data.get("body_timeout_s", d.body_timeout_s)
+        ),
     )
 
 
@@ -268,6 +352,9 @@ def _model(path: str, data: Mapping[str, Any]) -> ModelConfig:
             data.get("fallback_max_num_batched_tokens", 2048),
             1,
         ),
+        trust_request_chat_template=_as_bool(
+            f"{path}.trust_request_chat_template", data.get("trust_request_chat_template", False)
+        ),
     )
 
 
@@ -301,6 +388,12 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
         beta_seed=beta_seed,
         seed=None if seed is None else _as_int(f"{path}.seed", seed),
         max_retries=_as_int(f"{path}.max_retries", data.get("max_retries", d.max_retries), 0),
+        poll_backoff_max_s=_as_float(
+            f"{path}.poll_backoff_max_s", data.get("poll_backoff_max_s", d.poll_backoff_max_s)
+        ),
+        accounting_grace_s=_nonnegative(
+            f"{path}.accounting_grace_s", data.get("accounting_grace_s", d.accounting_grace_s)
+        ),
     )
 
 
@@ -329,6 +422,48 @@ def _proxy(path: str, data: Mapping[str, Any]) -> ProxyConfig:
     )
 
 
+def _limits(path: str, data: Mapping[str, Any]) -> LimitsConfig:
+    _check_keys(path, data, LimitsConfig)
+    d = LimitsConfig()
+
+    def get(name: str) -> Any:
+        return data.get(name, getattr(d, name))
+
+    return LimitsConfig(
+        max_concurrent_requests=_as_int(
+            f"{path}.max_concurrent_requests", get("max_concurrent_requests"), 0
+        ),
+        retry_after_s=_as_int(f"{path}.retry_after_s", get("retry_after_s"), 0),
+        max_n=_as_int(f"{path}.max_n", get("max_n"), 1),
+        template_timeout_s=_as_float(f"{path}.template_timeout_s", get("template_timeout_s")),
+    )
+
+
+def _auth(path: str, data: Mapping[str, Any]) -> AuthConfig:
+    _check_keys(path, data, AuthConfig)
+    d = AuthConfig()
+
+    def get(name: str) -> Any:
+        value = data.get(name, getattr(d, name))
+        return list(value) if isinstance(value, tuple) else value
+
+    open_paths = _str_list(f"{path}.open_paths", get("open_paths"))
+    for i, p in enumerate(open_paths):
+        if not p.startswith("/"):
+            raise ConfigError(f"{path}.open_paths[{i}]: expected a path starting with /, got {p!r}")
+    return AuthConfig(
+        api_keys=_str_list(f"{path}.api_keys", get("api_keys")),
+        api_keys_file=_optional_str(f"{path}.api_keys_file", get("api_keys_file")),
+        api_keys_env=_as_str(f"{path}.api_keys_env", get("api_keys_env")),
+        open_paths=open_paths,
+        backend_api_key=_optional_str(f"{path}.backend_api_key", get("backend_api_key")),
+        backend_api_key_file=_optional_str(
+            f"{path}.backend_api_key_file", get("backend_api_key_file")
+        ),
+        backend_api_key_env=_as_str(f"{path}.backend_api_key_env", get("backend_api_key_env")),
+    )
+
+
 def build_config(data: object) -> GatewayConfig:
     """Validate plain data (as decoded from YAML) into a `GatewayConfig`."""
     root = _as_mapping("<root>", data)
@@ -351,6 +486,8 @@ def build_config(data: object) -> GatewayConfig:
         listen=_listen("listen", _as_mapping("listen", root.get("listen") or {})),
         routing=_routing("routing", _as_mapping("routing", root.get("routing") or {})),
         proxy=_proxy("proxy", _as_mapping("proxy", root.get("proxy") or {})),
+        limits=_limits("limits", _as_mapping("limits", root.get("limits") or {})),
+        auth=_auth("auth", _as_mapping("auth", root.get("auth") or {})),
         log_level=log_level,
     )
 

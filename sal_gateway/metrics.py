@@ -3,14 +3,26 @@
 One `GatewayMetrics` per app, built in the lifespan on its own `CollectorRegistry` (no global
 registry, so several apps or tests never collide). Counters and histograms are updated on the
 request path; per-backend gauges are refreshed from the state table at scrape time
-(`refresh()`), so they always describe the current pool (removed backends disappear).
+(`refresh()`), so they always describe the current pool. Every other series labelled with a
+backend that left the pool is dropped too (`forget_backend()` when discovery removes it, and a
+sweep at each scrape), so nothing grows with backend churn.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.metrics import MetricWrapperBase
 
 from sal_gateway.state import SOURCES, StateTable
 
@@ -35,7 +47,11 @@ _LATENCY_BUCKETS_S = (
     600.0,
 )
 _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
+_POLL_INTERVAL_BUCKETS_S = (0.05, 0.08, 0.09, 0.1, 0.11, 0.12, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _MB = ("model", "backend")
+_LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REJECT_REASONS = ("unauthorized", "over_limit", "body_timeout", "header_timeout", "template")
+"""Values of ``sal_rejected_requests_total{reason}``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +163,46 @@ class GatewayMetrics:
         self.build_info = Gauge("sal_build_info", "Gateway build", ["version"], registry=r)
         self.build_info.labels(version=version).set(1)
         self._series: dict[tuple[str, str, str], BackendSeries] = {}
+        # --- A (issue 8): the front door: loop health, process, rejections -------------
+        self.loop_lag = Histogram(
+            "sal_event_loop_lag_seconds",
+            "How late the event loop woke a periodic ~50 ms sleep (time it was blocked)",
+            buckets=_LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
+        self.loop_tasks = Gauge("sal_event_loop_tasks", "asyncio tasks alive", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
+        self.rejected = Counter(
+            "sal_rejected_requests",
+            "Requests refused before routing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        # --- end A ---------------------------------------------------------------------
+        # --- B: poll health and engine liveness -------------------------------------------
+        self.poll_errors = Counter(
+            "sal_poll_errors",
+            "Failed polls by reason (timeout, connect, http_status, bad_body, schema, "
+            "no_progress, internal)",
+            [*_MB, "reason"],
+            registry=r,
+        )
+        self.progress_age = Gauge(
+            "sal_backend_progress_age_seconds",
+            "Gateway-clock seconds since the engine last showed progress (+Inf: never)",
+            _MB,
+            registry=r,
+        )
+        self.poll_interval = Histogram(
+            "sal_poll_interval_seconds",
+            "Time between the starts of two consecutive polls of one backend",
+            ["model"],
+            buckets=_POLL_INTERVAL_BUCKETS_S,
+            registry=r,
+        )
+        # --- end B ------------------------------------------------------------------------
         # --- C: upstream timeouts (issue 8) ---------------------------------------------
         self.stream_timeouts = Counter(
             "sal_stream_timeouts",
@@ -189,6 +245,7 @@ class GatewayMetrics:
             self.in_flight,
             self.state_age,
             self.stats_source,
+            self.progress_age,
         )
         for gauge in gauges:
             gauge.clear()
@@ -204,12 +261,53 @@ class GatewayMetrics:
                 self.in_flight.labels(**labels).set(b.in_flight)
                 age = b.age_s(now_s)
                 self.state_age.labels(**labels).set(float("inf") if age is None else age)
+                progress = b.progress_age_s(now_s)
+                self.progress_age.labels(**labels).set(
+                    float("inf") if progress is None else progress
+                )
                 for source in SOURCES:
                     self.stats_source.labels(**labels, source=source).set(
                         1 if source == b.source else 0
                     )
         for model, beta in betas.items():
             self.beta.labels(model=model).set(beta)
+        self._prune({(m, b.url) for m in table.models() for b in table.backends(m)})
+
+    # --- hygiene: series of removed backends disappear ------------------------------------
+
+    def _backend_families(self) -> list[tuple[MetricWrapperBase, int, int]]:
+        """Every family with ``model`` and ``backend`` labels, with their label positions.
+
+        Found by inspection, so families added later in ``__init__`` are covered too.
+        ``_labelnames`` / ``_metrics`` / ``_lock`` are prometheus_client internals (stable
+        since 0.4); `tests/unit/test_gw_metrics.py` pins what is relied on."""
+        found = []
+        for value in vars(self).values():
+            if isinstance(value, MetricWrapperBase):
+                names = list(value._labelnames)
+                if "model" in names and "backend" in names:
+                    found.append((value, names.index("model"), names.index("backend")))
+        return found
+
+    def _remove_children(self, doomed: Callable[[str, str], bool]) -> None:
+        for family, model_at, backend_at in self._backend_families():
+            with family._lock:
+                keys = [k for k in family._metrics if doomed(k[model_at], k[backend_at])]
+            for key in keys:
+                with contextlib.suppress(KeyError):
+                    family.remove(*key)
+        for key in [k for k in self._series if doomed(k[0], k[1])]:
+            del self._series[key]
+
+    def forget_backend(self, model: str, backend: str) -> None:
+        """Drop every series of `backend` (called when discovery removes it)."""
+        self._remove_children(lambda m, b: m == model and b == backend)
+
+    def _prune(self, live: set[tuple[str, str]]) -> None:
+        # Requests still in flight on a removed backend can recreate its series after
+        # `forget_backend`; each scrape sweeps them again, so none outlives one scrape
+        # period. ``backend="none"`` labels requests that never reached a backend.
+        self._remove_children(lambda m, b: b != "none" and (m, b) not in live)
 
     def exposition(self) -> bytes:
         """The text exposition format served on ``GET /metrics``."""

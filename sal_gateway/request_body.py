@@ -3,7 +3,8 @@
 The app calls `parse_body()` once per request with the raw bytes; it returns an
 `InboundRequest` holding the decoded body (forwarded upstream untouched, every unknown field
 included) plus the few fields the gateway itself needs, or raises `BadRequest` naming the
-field. Only what the gateway reads is validated; everything else is the backend's business.
+field. What the gateway reads, and what reaches the chat template the gateway renders
+(`chat_fields`), is validated; everything else is the backend's business.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from sal_gateway.chat_fields import (
+    check_bool_fields,
+    check_chat_fields,
+    check_messages,
+    request_chat_template,
+)
 from sal_gateway.errors import BadRequest
+
+DEFAULT_MAX_N = 16
 
 
 class Endpoint(Enum):
@@ -42,6 +51,19 @@ class InboundRequest:
     """Completions: the prompt(s), batched prompts as several entries."""
     messages: tuple[dict[str, Any], ...] = ()
     """Chat: the messages."""
+    fan_out: int = 1
+    """Engine requests vLLM makes of this one: ``max(n, best_of)``."""
+    chat_template: str | None = None
+    """Chat: the client-supplied chat template (None: the model's own)."""
+
+
+def shown(value: object) -> str:
+    """`value` for an error message, bounded: clients can send megabytes in any field."""
+    if isinstance(value, str):
+        return repr(value[:40] + "..." if len(value) > 40 else value)
+    if value is None or isinstance(value, bool | int | float):
+        return repr(value)[:40]
+    return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
 
 
 def _is_token_ids(value: object) -> bool:
@@ -68,38 +90,71 @@ def _prompts(value: object) -> tuple[PromptInput, ...]:
     )
 
 
-def _messages(value: object) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list) or not value:
-        raise BadRequest("`messages` must be a non-empty list", param="messages")
-    for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise BadRequest(
-                f"`messages[{i}]` must be an object with a string `role`", param="messages"
-            )
-        content = msg.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise BadRequest(
-                f"`messages[{i}].content` must be a string, a list of parts or null",
-                param="messages",
-            )
-    return tuple(value)
-
-
 def _optional_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadRequest(f"`{name}` must be a non-negative integer, got {value!r}", param=name)
+        raise BadRequest(f"`{name}` must be a non-negative integer, got {shown(value)}", param=name)
     return value
 
 
-def parse_body(raw: bytes, endpoint: Endpoint) -> InboundRequest:
-    """Decode and validate one request body; `BadRequest` names the first bad field."""
+def _fan_out(body: dict[str, Any], max_n: int) -> int:
+    """``max(n, best_of)``, each an integer in ``1..max_n`` and ``best_of >= n``."""
+    values = {}
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_n:
+            raise BadRequest(
+                f"`{name}` must be an integer from 1 to {max_n}, got {shown(value)}", param=name
+            )
+        values[name] = value
+    n = values.get("n", 1)
+    if values.get("best_of", n) < n:
+        raise BadRequest(f"`best_of` ({values['best_of']}) must be >= `n` ({n})", param="best_of")
+    return max(n, values.get("best_of", 1))
+
+
+def _common(body: dict[str, Any]) -> None:
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("`stream_options` must be an object", param="stream_options")
+
+
+def _parse_int(text: str) -> int:
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    return float(text)
+
+
+def decode_json(raw: bytes, *, yielding: bool = False) -> object:
+    """`raw` decoded as JSON; `BadRequest` for anything else (bad UTF-8, too deep, ...).
+
+    ``yielding=True`` (for large bodies decoded in a worker thread) parses numbers through
+    Python-level functions: the C decoder otherwise holds the GIL for the whole of a long
+    flat array of numbers (a 10 MiB token-ID prompt: ~0.3 s during which the event loop
+    cannot run), while running bytecode per number lets the interpreter hand the GIL over
+    every few milliseconds. It costs ~4x the decode time of such arrays."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if yielding:
+            return json.loads(raw, parse_int=_parse_int, parse_float=_parse_float)
+        return json.loads(raw)
+    # ValueError also covers integers over Python's 4300-digit conversion limit.
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def parse_body(
+    raw: bytes, endpoint: Endpoint, *, max_n: int = DEFAULT_MAX_N, yielding: bool = False
+) -> InboundRequest:
+    """Decode and validate one request body; `BadRequest` names the first bad field.
+    Costs time linear in ``len(raw)``: the app calls it off the event loop, ``yielding``
+    (see `decode_json`), for large bodies."""
+    body = decode_json(raw, yielding=yielding)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
@@ -109,10 +164,13 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> InboundRequest:
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise BadRequest(f"`stream` must be a boolean, got {stream!r}", param="stream")
+        raise BadRequest(f"`stream` must be a boolean, got {shown(stream)}", param="stream")
+    _common(body)
+    fan_out = _fan_out(body, max_n)
     if endpoint is Endpoint.COMPLETIONS:
         if "prompt" not in body:
             raise BadRequest("`prompt` is required", param="prompt")
+        check_bool_fields(body, ("add_special_tokens", "echo"))
         return InboundRequest(
             endpoint=endpoint,
             body=body,
@@ -120,7 +178,10 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> InboundRequest:
             stream=stream,
             max_tokens=_optional_int(body, "max_tokens"),
             prompts=_prompts(body["prompt"]),
+            fan_out=fan_out,
         )
+    messages = check_messages(body.get("messages"))
+    check_chat_fields(body)
     max_tokens = _optional_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens")
@@ -130,5 +191,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> InboundRequest:
         model=model,
         stream=stream,
         max_tokens=max_tokens,
-        messages=_messages(body.get("messages")),
+        messages=messages,
+        fan_out=fan_out,
+        chat_template=request_chat_template(body),
     )

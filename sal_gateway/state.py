@@ -2,18 +2,33 @@
 
 Pure (no I/O, no asyncio): the pollers write poll results into it, the request path reads
 `BackendView`s from it for the policy and records what it routed. All times are the gateway's
-monotonic clock (``now_s`` passed in), so a backend's clock skew never makes state look fresh.
+monotonic clock (``now_s`` passed in, or the table's injected `clock`), so a backend's clock
+skew never makes state look fresh.
 
 Rules:
 
-* A backend is *eligible* when it has a successful poll no older than ``stale_after_s``, is
-  not ejected and not suspect. Unknown or stale state is never treated as idle.
+* A backend is *eligible* when it has a successful poll no older than ``stale_after_s``, its
+  engine showed *progress* no longer than ``stale_after_s`` ago, and it is not ejected and not
+  suspect. Unknown or stale state is never treated as idle.
+* **Progress** (liveness judged by the engine, not by its HTTP server): a ``/stats`` snapshot
+  shows progress when its ``time`` heartbeat changed since the previous snapshot and, if the
+  engine has requests waiting or running, its ``step`` changed too. Both are compared with the
+  engine's own previous values and the moment is taken on the gateway's clock (the receipt of
+  the poll), so clock skew between the hosts cannot make a frozen engine look alive. An engine
+  frozen behind a live API server keeps serving its last snapshot: it stops being eligible
+  ``stale_after_s`` after its last progress. The first snapshot counts as progress. For stock
+  vLLM read through ``/metrics`` (no heartbeat) every good poll counts as progress: liveness
+  there means "the API server answers", nothing more.
 * ``eject_after_failures`` consecutive failed polls eject it; one good poll re-admits it.
 * A connect failure seen by the proxy marks it *suspect* (not eligible) until its next good
   poll, so retries and the next requests avoid it without waiting for N poll failures.
-* Local accounting between polls: each routed request's prompt tokens are added to the
-  backend's queued prefill tokens and subtracted from its free KV tokens (floored at 0) until
-  the next poll replaces both numbers (the engine then counts that request itself).
+* **Accounting between polls never forgets.** Each routed request's prompt tokens are added
+  to the backend's queued prefill tokens and subtracted from its free KV tokens while its
+  `Ticket` is *unacknowledged*. A poll acknowledges only tickets sent before the snapshot was
+  written, minus ``accounting_grace_s`` (the request's transit to the engine): only those can
+  be in the engine's own numbers. Tickets sent later keep counting until a later snapshot
+  covers them; a ticket whose request ended first stops counting then. See
+  `record_poll_success` for how the snapshot's write time is mapped onto our clock.
 * Backends read through stock vLLM ``/metrics`` (no queued-token count there) use the prompt
   tokens of the gateway's own in-flight requests that have not received a first byte yet as
   their queued prefill tokens.
@@ -21,6 +36,9 @@ Rules:
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sal_gateway.policies import BackendView
@@ -28,6 +46,24 @@ from sal_gateway.stats import ReplicaStats
 
 SOURCES = ("stats", "metrics", "none")
 """Where a backend's state comes from: sal-stats/1 ``/stats``, vLLM ``/metrics``, nothing."""
+
+OFFSET_WINDOW = 64
+"""Polls over which the engine's clock offset is estimated (6.4 s at the default 10 Hz)."""
+
+
+def shows_progress(previous: ReplicaStats | None, current: ReplicaStats) -> bool:
+    """Whether `current` proves the engine advanced since `previous` (both from ``/stats``).
+
+    The heartbeat ``time`` must have changed (an idle LARRY engine restamps it every 0.2 s,
+    the emulator stamps it when serving); while requests wait or run, ``step`` must have
+    changed as well. A changed value in either direction counts (an engine restarted on the
+    same address starts a new series)."""
+    if previous is None:
+        return True
+    if current.time == previous.time:
+        return False
+    busy = current.num_waiting + current.num_running > 0
+    return not busy or current.step != previous.step
 
 
 @dataclass(slots=True)
@@ -39,24 +75,38 @@ class BackendState:
     stats: ReplicaStats | None = None
     source: str = "none"
     last_ok_s: float | None = None
-    """Monotonic time of the last successful poll."""
+    """Gateway time of the last successful poll (its receipt)."""
+    progress_s: float | None = None
+    """Gateway time at which the engine last showed progress (`shows_progress`)."""
     consecutive_failures: int = 0
     ejected: bool = False
     suspect: bool = False
     in_flight: int = 0
     routed_tokens_since_poll: int = 0
+    """Prompt tokens of routed requests that no snapshot is known to include yet."""
     prefill_pending_tokens: int = 0
     """Prompt tokens of in-flight requests still waiting for their first byte."""
     removed: bool = False
+    unacked: deque[Ticket] = field(default_factory=deque)
+    """Tickets whose tokens may still be missing from the engine's numbers, in send order
+    (acknowledged or released ones are dropped lazily from the left)."""
+    offsets_s: deque[float] = field(default_factory=lambda: deque(maxlen=OFFSET_WINDOW))
+    """Recent ``engine time - our wall time at receipt`` (for `_written_at`)."""
 
     def age_s(self, now_s: float) -> float | None:
         return None if self.last_ok_s is None else max(0.0, now_s - self.last_ok_s)
 
+    def progress_age_s(self, now_s: float) -> float | None:
+        return None if self.progress_s is None else max(0.0, now_s - self.progress_s)
+
     def is_eligible(self, now_s: float, stale_after_s: float) -> bool:
         age = self.age_s(now_s)
+        progress_age = self.progress_age_s(now_s)
         return (
             age is not None
             and age <= stale_after_s
+            and progress_age is not None
+            and progress_age <= stale_after_s
             and not self.ejected
             and not self.suspect
             and not self.removed
@@ -79,6 +129,28 @@ class BackendState:
             return self.fallback_max_num_batched_tokens
         return self.stats.max_num_batched_tokens
 
+    def acknowledge_before(self, cutoff_s: float) -> None:
+        """Stop counting every ticket sent before `cutoff_s` (a snapshot includes them)."""
+        unacked = self.unacked
+        while unacked and unacked[0].sent_s < cutoff_s:
+            ticket = unacked.popleft()
+            if not ticket.acked:
+                ticket.acked = True
+                self.routed_tokens_since_poll -= ticket.prompt_tokens
+
+    def _written_at(self, engine_time_s: float, now_s: float, wall_s: float) -> float:
+        """Our monotonic time at which the engine wrote a snapshot stamped `engine_time_s`,
+        received at `now_s` (monotonic) = `wall_s` (our wall clock).
+
+        ``engine_time_s - wall_s`` is the engine's clock skew minus the snapshot's age at
+        receipt; its maximum over recent polls estimates the skew (minus the smallest age
+        seen), so ``max - current`` estimates this snapshot's age without trusting either
+        wall clock's absolute value. The estimate errs late by at most that smallest age
+        (a few ms when the engine publishes often), which ``accounting_grace_s`` covers."""
+        offset = engine_time_s - wall_s
+        self.offsets_s.append(offset)
+        return now_s - (max(self.offsets_s) - offset)
+
 
 @dataclass(slots=True)
 class Ticket:
@@ -86,8 +158,12 @@ class Ticket:
 
     backend: BackendState
     prompt_tokens: int
+    sent_s: float = 0.0
+    """Gateway time at which the request was routed."""
     first_byte_seen: bool = False
     released: bool = False
+    acked: bool = False
+    """The engine's numbers include this request (or it ended): its tokens no longer count."""
 
 
 @dataclass(slots=True)
@@ -96,6 +172,10 @@ class StateTable:
 
     stale_after_s: float
     eject_after_failures: int
+    accounting_grace_s: float = 0.05
+    """Transit allowance: a snapshot written at t covers requests sent before t - grace."""
+    clock: Callable[[], float] = time.monotonic
+    """Stamps tickets routed without an explicit time (the gateway's monotonic clock)."""
     _pools: dict[str, dict[str, BackendState]] = field(default_factory=dict)
 
     # --- membership ---------------------------------------------------------------------
@@ -132,22 +212,45 @@ class StateTable:
     # --- poll results -------------------------------------------------------------------
 
     def record_poll_success(
-        self, model: str, url: str, stats: ReplicaStats, source: str, now_s: float
+        self,
+        model: str,
+        url: str,
+        stats: ReplicaStats,
+        source: str,
+        now_s: float,
+        *,
+        wall_s: float | None = None,
+        sent_s: float | None = None,
     ) -> bool:
-        """A good poll: replace the numbers, reset local accounting, re-admit.
+        """A good poll received at `now_s`: replace the numbers, judge progress, acknowledge
+        the tickets the snapshot covers, re-admit.
 
-        Returns True when this re-admitted an ejected or suspect backend."""
+        When was the snapshot written, on our clock? ``/stats`` with `wall_s` (our wall clock
+        at receipt): from its ``time`` via `BackendState._written_at` (skew-proof). Otherwise
+        (``/metrics``, read live while the poll was answered): `sent_s`, when the poll was
+        sent, or else `now_s`. Never later than `now_s`, so a ticket routed after the
+        receipt is never acknowledged by it. Returns True when this re-admitted an ejected or
+        suspect backend."""
         backend = self.get(model, url)
         if backend is None:
             return False
         readmitted = backend.ejected or backend.suspect
+        previous = backend.stats if backend.source == "stats" else None
+        if source != "stats" or shows_progress(previous, stats):
+            backend.progress_s = now_s
+        if source == "stats" and wall_s is not None:
+            if previous is not None and stats.step < previous.step:
+                backend.offsets_s.clear()  # a restarted engine: maybe another host's clock
+            written_s = backend._written_at(stats.time, now_s, wall_s)
+        else:
+            written_s = now_s if sent_s is None else sent_s
+        backend.acknowledge_before(min(written_s, now_s) - self.accounting_grace_s)
         backend.stats = stats
         backend.source = source
         backend.last_ok_s = now_s
         backend.consecutive_failures = 0
         backend.ejected = False
         backend.suspect = False
-        backend.routed_tokens_since_poll = 0
         return readmitted
 
     def record_poll_failure(self, model: str, url: str) -> bool:
@@ -190,13 +293,26 @@ class StateTable:
             for pool in self._pools.values()
         )
 
-    def route(self, model: str, url: str, prompt_tokens: int) -> Ticket:
-        """Account a request just routed to `url` (raises KeyError for an unknown backend)."""
+    def route(
+        self, model: str, url: str, prompt_tokens: int, sent_s: float | None = None
+    ) -> Ticket:
+        """Account a request just routed to `url` at `sent_s` (default: `clock()`); raises
+        KeyError for an unknown backend. Send times are kept non-decreasing per backend
+        (an earlier one is moved up to the last: later acknowledgement, never earlier)."""
         backend = self._pools[model][url]
+        unacked = backend.unacked
+        while unacked and unacked[0].acked:
+            unacked.popleft()
+        if sent_s is None:
+            sent_s = self.clock()
+        if unacked and sent_s < unacked[-1].sent_s:
+            sent_s = unacked[-1].sent_s
         backend.in_flight += 1
         backend.routed_tokens_since_poll += prompt_tokens
         backend.prefill_pending_tokens += prompt_tokens
-        return Ticket(backend, prompt_tokens)
+        ticket = Ticket(backend, prompt_tokens, sent_s)
+        unacked.append(ticket)
+        return ticket
 
     @staticmethod
     def first_byte(ticket: Ticket) -> None:
@@ -207,9 +323,13 @@ class StateTable:
 
     @staticmethod
     def release(ticket: Ticket) -> None:
-        """The request is over (any outcome). Idempotent."""
+        """The request is over (any outcome): it stops counting anywhere. Idempotent."""
         if ticket.released:
             return
         StateTable.first_byte(ticket)
         ticket.released = True
-        ticket.backend.in_flight -= 1
+        backend = ticket.backend
+        backend.in_flight -= 1
+        if not ticket.acked:
+            ticket.acked = True
+            backend.routed_tokens_since_poll -= ticket.prompt_tokens

@@ -10,6 +10,7 @@ a minor suffix (``sal-stats/1.3``) is accepted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -81,10 +82,22 @@ def _int_field(obj: dict[str, Any], name: str) -> int:
     return value
 
 
+def _finite_number(value: object) -> float | None:
+    """`value` as a finite float, or None (not a number, NaN, infinite, too large)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        result = float(value)
+    except OverflowError:  # an integer too large for a float is as unusable as inf
+        return None
+    return result if math.isfinite(result) else None
+
+
 def parse_stats(obj: object) -> ReplicaStats:
     """Validate a decoded `/stats` JSON body and return it as `ReplicaStats`.
 
-    Raises `StatsSchemaError` naming the first bad field. Unknown fields are ignored.
+    Raises `StatsSchemaError` naming the first bad field (NaN and infinities included).
+    Unknown fields are ignored.
     """
     if not isinstance(obj, dict):
         raise StatsSchemaError(f"/stats body must be a JSON object, got {type(obj).__name__}")
@@ -95,12 +108,17 @@ def parse_stats(obj: object) -> ReplicaStats:
         raise StatsSchemaError(
             f"unsupported /stats schema {schema!r} (this gateway reads {SCHEMA})"
         )
-    time_s = obj.get("time")
-    if isinstance(time_s, bool) or not isinstance(time_s, int | float):
-        raise StatsSchemaError(f"/stats field 'time' must be a number, got {time_s!r}")
-    alpha = obj.get("alpha")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
-        raise StatsSchemaError(f"/stats field 'alpha' must be a number or null, got {alpha!r}")
+    time_s = _finite_number(obj.get("time"))
+    if time_s is None:
+        raise StatsSchemaError(
+            f"/stats field 'time' must be a finite number, got {obj.get('time')!r}"
+        )
+    raw_alpha = obj.get("alpha")
+    alpha = None if raw_alpha is None else _finite_number(raw_alpha)
+    if raw_alpha is not None and alpha is None:
+        raise StatsSchemaError(
+            f"/stats field 'alpha' must be a finite number or null, got {raw_alpha!r}"
+        )
     model = obj.get("model")
     scheduler = obj.get("scheduler")
     if not isinstance(model, str):
@@ -109,10 +127,10 @@ def parse_stats(obj: object) -> ReplicaStats:
         raise StatsSchemaError(f"/stats field 'scheduler' must be a string, got {scheduler!r}")
     ints = {name: _int_field(obj, name) for name in _INT_FIELDS}
     return ReplicaStats(
-        time=float(time_s),
+        time=time_s,
         model=model,
         scheduler=scheduler,
-        alpha=None if alpha is None else float(alpha),
+        alpha=alpha,
         schema=schema,
         **ints,
     )

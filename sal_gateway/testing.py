@@ -3,10 +3,13 @@
 `FakeBackend` is a plain ASGI app that behaves like a vLLM OpenAI server as far as the gateway
 can tell: ``POST /v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, with ``usage``),
 ``GET /v1/models``, ``/health``, ``/stats`` (sal-stats/1, from the settable `stats`) and a
-stock-vLLM-style ``/metrics``. Knobs (`FakeBehaviour`) set delays, tokens per chunk, and
-faults: answer 500, hang before answering, close the connection mid-stream, hang or 404 on
-``/stats``. It records what it received (`received`), how many generation requests it saw
-(`generation_requests`) and how many clients went away mid-answer (`disconnects`).
+stock-vLLM-style ``/metrics``. Like a live engine, ``/stats`` stamps a fresh ``time`` on each
+read and advances ``step`` when the settable `stats` show requests waiting or running. Knobs
+(`FakeBehaviour`) set delays, tokens per chunk, and faults: answer 500, hang before answering,
+close the connection mid-stream, hang, 404, be slow or serve a malformed body on ``/stats``,
+freeze the engine (``/stats`` repeats its last snapshot). It records what it received
+(`received`), how many generation requests it saw (`generation_requests`) and how many
+clients went away mid-answer (`disconnects`).
 
 `ServedBackend` runs one on 127.0.0.1 in a background thread with uvicorn and can stop and
 restart it on the same port (a backend killed and coming back)::
@@ -26,7 +29,7 @@ import json
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sal_gateway.stats import ReplicaStats
@@ -79,6 +82,13 @@ class FakeBehaviour:
     """``/stats`` never answers."""
     stats_status: int = 200
     """``/stats`` status; 404 makes it look like stock vLLM."""
+    engine_frozen: bool = False
+    """The engine is frozen behind a live API server (SIGSTOP on vLLM's EngineCore):
+    ``/stats`` keeps serving the last snapshot, ``time`` and ``step`` no longer advance."""
+    stats_delay_s: float = 0.0
+    """Delay before ``/stats`` answers (a slow or overloaded API server)."""
+    stats_raw_body: bytes | None = None
+    """Serve exactly these bytes on ``/stats`` with status 200 (a malformed body)."""
     stall_after_chunks: int | None = None
     """Streams: after the headers and this many SSE chunks, send nothing more but keep the
     connection open until the client goes away (0: a frozen engine behind a live API server)."""
@@ -105,6 +115,9 @@ class FakeBackend:
     stats_polls: int = 0
     keep_received: int = 1000
     """How many request bodies `received` keeps (the newest)."""
+    _served: ReplicaStats | None = None
+    """The last snapshot `/stats` served (what a frozen engine keeps serving)."""
+    _extra_steps: int = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -153,19 +166,33 @@ class FakeBackend:
             f'num_gpu_blocks="{self.metrics_num_gpu_blocks}"}} 1.0\n'
         )
 
+    def snapshot(self) -> ReplicaStats:
+        """What ``/stats`` serves now: `stats` stamped with the current time and a step
+        counter that advances on every read while busy; the previous one when frozen."""
+        if self.behaviour.engine_frozen and self._served is not None:
+            return self._served
+        if self.stats.num_waiting + self.stats.num_running > 0:
+            self._extra_steps += 1
+        self._served = replace(
+            self.stats, time=time.time(), step=self.stats.step + self._extra_steps
+        )
+        return self._served
+
     async def _stats(self, send: Send) -> None:
         self.stats_polls += 1
-        if self.behaviour.stats_hang:
+        b = self.behaviour
+        if b.stats_hang:
             await asyncio.Event().wait()
-        if self.behaviour.stats_status != 200:
+        if b.stats_delay_s > 0:
+            await asyncio.sleep(b.stats_delay_s)
+        if b.stats_status != 200:
             await _send_json(
-                send,
-                self.behaviour.stats_status,
-                {"error": {"message": "no stats", "code": 404}},
-                self.name,
+                send, b.stats_status, {"error": {"message": "no stats", "code": 404}}, self.name
             )
-            return
-        await _send_json(send, 200, self.stats.to_dict(), self.name)
+        elif b.stats_raw_body is not None:
+            await _send(send, 200, b.stats_raw_body, b"application/json")
+        else:
+            await _send_json(send, 200, self.snapshot().to_dict(), self.name)
 
     async def _generate(self, path: str, receive: Receive, send: Send) -> None:
         chunks = []

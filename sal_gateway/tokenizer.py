@@ -10,7 +10,8 @@ request. Rules, mirrored from vLLM 0.32 (`entrypoints/openai/*/protocol.py`,
   so a BOS is counted when the tokenizer adds one);
 * chat messages are rendered with the chat template (``tokenize=False``,
   ``add_generation_prompt`` default True, ``continue_final_message``, ``tools``,
-  ``chat_template_kwargs`` and a request ``chat_template`` passed through), list-of-parts
+  ``chat_template_kwargs`` passed through; a request's own ``chat_template`` is rendered by
+  `template_pool` in a killable process, then counted by `count_rendered`), list-of-parts
   content joined with ``"\\n"`` as vLLM's "string" content format does, then encoded with
   ``add_special_tokens`` from the request (default **False**: the template adds BOS);
 * batched prompts count each prompt; the request's total is the sum.
@@ -147,16 +148,25 @@ class PromptCounter:
                 return len(batch[0].ids)
             ids = self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         except Exception as exc:  # e.g. lone surrogates from JSON escapes: the client's input
-            raise BadRequest(f"the prompt cannot be tokenized: {exc}", param="prompt") from None
+            raise BadRequest(
+                f"the prompt cannot be tokenized: {str(exc)[:200]}", param="prompt"
+            ) from None
         return len(ids)
 
+    @property
+    def special_tokens(self) -> dict[str, Any]:
+        """The template variables HF adds for special tokens (``bos_token``, ...)."""
+        mapping = getattr(self.hf_tokenizer, "special_tokens_map", None) or {}
+        return {str(k): v for k, v in mapping.items() if isinstance(v, str)}
+
     def _render_chat(self, req: InboundRequest) -> str:
+        """The model's own template (trusted: configured by the operator) over `req`. A
+        request-supplied template is never rendered here (`template_pool` does, if trusted)."""
         body = req.body
-        kwargs: dict[str, Any] = dict(body.get("chat_template_kwargs") or {})
+        extra = body.get("chat_template_kwargs") or {}
+        kwargs: dict[str, Any] = {k: v for k, v in extra.items() if k != "chat_template"}
         kwargs["add_generation_prompt"] = body.get("add_generation_prompt", True)
         kwargs["continue_final_message"] = body.get("continue_final_message", False)
-        if body.get("chat_template") is not None:
-            kwargs["chat_template"] = body["chat_template"]
         if body.get("documents") is not None:
             kwargs["documents"] = body["documents"]
         tools = body.get("tools")
@@ -166,9 +176,20 @@ class PromptCounter:
             )
         except Exception as exc:  # the template itself rejects bad input (vLLM answers 400)
             raise BadRequest(
-                f"chat template rejected the messages: {exc}", param="messages"
+                f"chat template rejected the messages: {str(exc)[:500]}", param="messages"
             ) from None
         return str(text)
+
+    async def count_rendered(
+        self, text: str, req: InboundRequest, executor: Executor | None, thread_above_chars: int
+    ) -> PromptCount:
+        """Count an already rendered chat prompt (a request template's output)."""
+        add_special = bool(req.body.get("add_special_tokens", False))
+        if executor is None or len(text) <= thread_above_chars:
+            return PromptCount((self._encode_len(text, add_special),), False)
+        loop = asyncio.get_running_loop()
+        n = await loop.run_in_executor(executor, self._encode_len, text, add_special)
+        return PromptCount((n,), False)
 
     def count_sync(self, req: InboundRequest) -> PromptCount:
         """Count `req`'s prompt tokens on the calling thread."""

@@ -33,9 +33,16 @@ def _usage_of(obj: object) -> tuple[int, int] | None:
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if isinstance(prompt, int) and isinstance(completion, int):
+    # A backend's odd numbers (negative, bool) must not reach the counters: they raise.
+    if _count(prompt) and _count(completion):
+        assert isinstance(prompt, int)
+        assert isinstance(completion, int)
         return prompt, completion
     return None
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def usage_from_sse_tail(tail: bytes) -> tuple[int, int] | None:

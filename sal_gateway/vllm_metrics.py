@@ -15,6 +15,8 @@ tokens (the state table substitutes the gateway's own in-flight counts) and
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from sal_gateway.stats import ReplicaStats
@@ -23,6 +25,7 @@ _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
 _CACHE_INFO = "vllm:cache_config_info"
+_USED = frozenset((_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO))
 
 
 class MetricsParseError(ValueError):
@@ -40,7 +43,8 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
 def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
     """Turn vLLM ``/metrics`` text into a `ReplicaStats` (schema ``sal-stats/1``).
 
-    `time_s` is stamped as the snapshot time (the caller's clock). Raises `MetricsParseError`.
+    `time_s` is stamped as the snapshot time (the caller's clock). Raises `MetricsParseError`
+    (also for a NaN, infinite or negative value of a series it uses).
     """
     waiting = running = 0.0
     found: set[str] = set()
@@ -53,6 +57,8 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
     for family in families:
         for sample in family.samples:
             name = sample.name
+            if name in _USED and not (math.isfinite(sample.value) and sample.value >= 0):
+                raise MetricsParseError(f"/metrics {name} is {sample.value!r}")
             engine = sample.labels.get("engine", "0")
             if name == _WAITING:
                 waiting += sample.value

@@ -41,7 +41,10 @@ def gateway_config(
     routing: dict[str, Any] | None = None,
     proxy: dict[str, Any] | None = None,
     discovery: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> GatewayConfig:
+    """`extra` is deep-merged into the config data (lists of mappings item by item), e.g.
+    ``{"auth": {"api_keys": ["k"]}, "models": [{"trust_request_chat_template": True}]}``."""
     model: dict[str, Any] = {"name": MODEL, "backends": backends}
     if tokenizer is not None:
         model["tokenizer"] = str(tokenizer)
@@ -57,14 +60,21 @@ def gateway_config(
     proxy_config.update(proxy or {})
     routing_config: dict[str, Any] = dict(FAST_ROUTING)
     routing_config.update(routing or {})
-    return build_config(
-        {
-            "models": [model],
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "routing": routing_config,
-            "proxy": proxy_config,
-        }
-    )
+    data = {
+        "models": [model],
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "routing": routing_config,
+        "proxy": proxy_config,
+    }
+    return build_config(_merged(data, extra or {}))
+
+
+def _merged(base: Any, extra: Any) -> Any:
+    if isinstance(base, dict) and isinstance(extra, dict):
+        return {**base, **{k: _merged(base.get(k), v) for k, v in extra.items()}}
+    if isinstance(base, list) and isinstance(extra, list) and len(base) == len(extra):
+        return [_merged(b, e) for b, e in zip(base, extra, strict=True)]
+    return extra
 
 
 @dataclass

@@ -43,6 +43,8 @@ def test_minimal_shape_from_issue_gets_defaults(tmp_path: Path) -> None:
     assert config.listen.port == 8080
     assert config.routing.stale_after_s == 1.0
     assert config.routing.eject_after_failures == 3
+    assert config.routing.poll_backoff_max_s == 2.0
+    assert config.routing.accounting_grace_s == 0.05
     assert config.models[0].tokenizer is None
     assert config.model("tiny") is config.models[0]
     assert config.model("other") is None
@@ -98,6 +100,9 @@ def test_unknown_keys_are_rejected_naming_the_path(
         ({"routing": {"max_retries": True}}, "max_retries: expected an integer"),
         ({"proxy": {"stream_header_timeout_s": 0}}, "stream_header_timeout_s: must be a posit"),
         ({"proxy": {"stream_idle_timeout_s": "1m"}}, "stream_idle_timeout_s: expected a number"),
+        ({"routing": {"poll_backoff_max_s": 0}}, "poll_backoff_max_s: must be a positive"),
+        ({"routing": {"accounting_grace_s": -0.1}}, "accounting_grace_s: must be >= 0"),
+        ({"routing": {"accounting_grace_s": "50ms"}}, "accounting_grace_s: expected a number"),
         ({"listen": {"port": 70000}}, "listen.port"),
         ({"log_level": "loud"}, "log_level"),
     ],

@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sal_gateway.state import StateTable
+from sal_gateway.state import StateTable, Ticket, shows_progress
 from sal_gateway.testing import default_stats
 
 A, B = "http://a:1", "http://b:1"
 
 
-def _table() -> StateTable:
-    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+class FakeClock:
+    """The gateway's monotonic clock, set by hand."""
+
+    def __init__(self, now_s: float = 0.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _table(clock: FakeClock | None = None) -> StateTable:
+    table = StateTable(
+        stale_after_s=1.0,
+        eject_after_failures=3,
+        accounting_grace_s=0.05,
+        clock=clock or FakeClock(),
+    )
     table.add_backend("m", A)
     table.add_backend("m", B)
     return table
@@ -36,17 +53,20 @@ def test_good_poll_makes_eligible_until_stale() -> None:
     assert not table.is_ready(11.01)
 
 
-def test_routing_accounts_tokens_until_next_poll_replaces_them() -> None:
-    table = _table()
+def test_routing_accounts_tokens_until_a_snapshot_written_after_them_arrives() -> None:
+    clock = FakeClock(0.0)
+    table = _table(clock)
     stats = dataclasses.replace(default_stats(), free_kv_tokens=1000, queued_prefill_tokens=50)
     table.record_poll_success("m", A, stats, "stats", now_s=0.0)
+    clock.now_s = 0.05
     t1 = table.route("m", A, 300)
     t2 = table.route("m", A, 900)
     view = table.views("m", 0.1)[0]
     assert view.in_flight == 2
     assert view.queued_prefill_tokens == 50 + 300 + 900
     assert view.free_kv_tokens == 0  # floored, never negative
-    # The next poll replaces both numbers (the engine now counts those requests itself).
+    # A poll read live after both requests (and their transit) replaces both numbers: the
+    # engine counts those requests itself now.
     table.record_poll_success("m", A, stats, "stats", now_s=0.2)
     view = table.views("m", 0.2)[0]
     assert (view.queued_prefill_tokens, view.free_kv_tokens, view.in_flight) == (50, 1000, 2)
@@ -140,3 +160,175 @@ def test_accounting_invariants_hold_for_any_sequence(ops: list[tuple[str, int, i
         view = table.views("m", 0.0)[0]
         assert 0 <= view.free_kv_tokens <= 3000
         assert view.queued_prefill_tokens == backend.prefill_pending_tokens
+
+
+# Liveness: judged by the engine's own progress ----------------------------------------------
+
+
+def _snap(time_s: float, step: int = 0, running: int = 0) -> Any:
+    return dataclasses.replace(default_stats(), time=time_s, step=step, num_running=running)
+
+
+@pytest.mark.parametrize("skew_s", [0.0, 3600.0, -3600.0])
+def test_engine_frozen_behind_a_live_api_server_goes_ineligible(skew_s: float) -> None:
+    # The engine's clock is off by `skew_s`: only its advance between polls matters.
+    table = _table()
+    table.record_poll_success("m", A, _snap(1000.0 + skew_s), "stats", now_s=0.0, wall_s=1000.0)
+    table.record_poll_success("m", A, _snap(1000.1 + skew_s), "stats", now_s=0.1, wall_s=1000.1)
+    # From now on the API server serves the same snapshot: polls succeed, nothing advances.
+    for i in range(2, 12):
+        t = i / 10
+        table.record_poll_success("m", A, _snap(1000.1 + skew_s), "stats", now_s=t, wall_s=1000 + t)
+    backend = table.backends("m")[0]
+    assert backend.age_s(1.1) == 0.0  # polls are fresh...
+    assert backend.progress_age_s(1.1) == pytest.approx(1.0)
+    assert table.views("m", 1.1)[0].eligible  # ...and 1.0 s without progress is still ok
+    table.record_poll_success("m", A, _snap(1000.1 + skew_s), "stats", now_s=1.2, wall_s=1001.2)
+    assert not table.views("m", 1.2)[0].eligible  # 1.1 s > stale_after_s
+    assert not table.is_ready(1.2)
+    # The engine resumes: the next snapshot that advances re-admits it at once.
+    table.record_poll_success("m", A, _snap(1001.3 + skew_s), "stats", now_s=1.3, wall_s=1001.3)
+    assert table.views("m", 1.3)[0].eligible
+
+
+def test_busy_engine_must_advance_its_step_not_only_its_heartbeat() -> None:
+    table = _table()
+    table.record_poll_success("m", A, _snap(0.0, step=5, running=2), "stats", now_s=0.0)
+    for i in range(1, 13):  # the heartbeat moves, the step does not, requests are running
+        table.record_poll_success("m", A, _snap(i / 10, step=5, running=2), "stats", now_s=i / 10)
+    assert not table.views("m", 1.2)[0].eligible
+    table.record_poll_success("m", A, _snap(1.3, step=6, running=2), "stats", now_s=1.3)
+    assert table.views("m", 1.3)[0].eligible
+
+
+def test_idle_engine_only_needs_its_heartbeat() -> None:
+    table = _table()
+    for i in range(30):  # an idle LARRY engine restamps every 0.2 s, polled every 0.1 s
+        t = i / 10
+        table.record_poll_success("m", A, _snap(0.2 * (i // 2)), "stats", now_s=t, wall_s=t)
+        assert table.views("m", t)[0].eligible
+
+
+def test_shows_progress_rule() -> None:
+    assert shows_progress(None, _snap(5.0))
+    assert not shows_progress(_snap(5.0), _snap(5.0))
+    assert shows_progress(_snap(5.0), _snap(5.2))
+    assert shows_progress(_snap(5.0), _snap(4.0))  # a restarted engine: a new series
+    assert not shows_progress(_snap(5.0, 7, running=1), _snap(5.2, 7, running=1))
+    assert shows_progress(_snap(5.0, 7, running=1), _snap(5.2, 8, running=1))
+
+
+def test_metrics_fallback_counts_every_good_poll_as_progress() -> None:
+    table = _table()
+    stats = default_stats()
+    for i in range(20):  # /metrics has no heartbeat: the same numbers every time
+        table.record_poll_success("m", A, stats, "metrics", now_s=i / 10)
+    assert table.views("m", 1.9)[0].eligible
+
+
+# Accounting that does not forget ------------------------------------------------------------
+
+
+def test_snapshot_written_before_a_request_does_not_clear_it() -> None:
+    # The engine's clock is 1 h ahead of ours. Snapshots reach us 5-100 ms after they are
+    # written; the freshest one seen anchors the skew estimate (an engine publishes after
+    # every step, or every 0.2 s when idle, so some poll always finds a fresh one).
+    clock = FakeClock()
+    table = _table(clock)
+    skew = 3600.0
+
+    def poll(written_wall_s: float, received_s: float) -> None:
+        stats = _snap(written_wall_s + skew)
+        table.record_poll_success("m", A, stats, "stats", now_s=received_s, wall_s=received_s)
+
+    poll(0.095, 0.1)  # (monotonic and wall clocks coincide here, for readability)
+    clock.now_s = 0.15
+    ticket = table.route("m", A, 700)
+    poll(0.1, 0.2)  # written before the request was sent: must not clear it
+    assert table.views("m", 0.2)[0].queued_prefill_tokens == 700
+    poll(0.18, 0.28)  # written 30 ms after it: within the 50 ms grace, keeps counting
+    assert table.views("m", 0.28)[0].queued_prefill_tokens == 700
+    poll(0.3, 0.4)  # written 150 ms after it: the engine's own numbers include it now
+    assert table.views("m", 0.4)[0].queued_prefill_tokens == 0
+    StateTable.release(ticket)
+    assert table.backends("m")[0].routed_tokens_since_poll == 0
+
+
+def test_request_that_ended_before_any_snapshot_stops_counting() -> None:
+    clock = FakeClock(1.0)
+    table = _table(clock)
+    table.record_poll_success("m", A, _snap(0.0), "stats", now_s=0.0, wall_s=0.0)
+    ticket = table.route("m", A, 500)
+    assert table.views("m", 1.0)[0].queued_prefill_tokens == 500
+    StateTable.release(ticket)
+    assert table.views("m", 1.0)[0].queued_prefill_tokens == 0
+    table.record_poll_success("m", A, _snap(2.0), "stats", now_s=2.0, wall_s=2.0)
+    assert table.backends("m")[0].routed_tokens_since_poll == 0  # not subtracted twice
+
+
+def test_metrics_fallback_clears_only_requests_sent_before_the_poll() -> None:
+    clock = FakeClock(0.0)
+    table = _table(clock)
+    table.record_poll_success("m", A, default_stats(), "metrics", now_s=0.0)
+    clock.now_s = 0.5
+    early = table.route("m", A, 100)
+    clock.now_s = 0.62
+    late = table.route("m", A, 40)  # sent after the poll below was sent
+    table.record_poll_success("m", A, default_stats(), "metrics", now_s=0.65, sent_s=0.6)
+    assert table.views("m", 0.65)[0].free_kv_tokens == 16000 - 40
+    for t in (early, late):
+        StateTable.release(t)
+
+
+@settings(deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["route", "release", "poll", "tick"]),
+            st.integers(0, 20),
+            st.integers(0, 3000),
+        ),
+        max_size=80,
+    ),
+    st.floats(-5000.0, 5000.0),
+    st.lists(st.floats(0.0, 0.3), min_size=1, max_size=8),
+)
+def test_tickets_count_until_a_snapshot_can_include_them(
+    ops: list[tuple[str, int, int]], skew_s: float, ages_s: list[float]
+) -> None:
+    """Never forgets, and bounded: with any engine clock skew and snapshot ages (the
+    freshest of every few polls close to 0, as with an engine publishing every step), a live
+    ticket counts exactly until a snapshot written `grace` after it was sent arrives."""
+    clock = FakeClock(0.0)
+    table = _table(clock)
+    cutoffs: list[float] = []
+    ages = [0.0, *ages_s]
+
+    def poll() -> None:
+        age = ages[len(cutoffs) % len(ages)]
+        written = clock.now_s - age
+        cutoffs.append(written - 0.05)
+        stats = _snap(written + skew_s)
+        table.record_poll_success("m", A, stats, "stats", now_s=clock.now_s, wall_s=clock.now_s)
+
+    poll()
+    tickets: list[Ticket] = []
+    for op, index, amount in ops:
+        if op == "route":
+            tickets.append(table.route("m", A, amount))
+        elif op == "release" and tickets:
+            StateTable.release(tickets[index % len(tickets)])
+        elif op == "poll":
+            poll()
+        else:
+            clock.now_s += index / 100
+        backend = table.backends("m")[0]
+        live = [t for t in tickets if not t.released]
+        counted = sum(t.prompt_tokens for t in live if not t.acked)
+        assert backend.routed_tokens_since_poll == counted >= 0
+        for t in live:
+            covered = any(t.sent_s < c - 1e-6 for c in cutoffs)
+            if not any(t.sent_s < c + 1e-6 for c in cutoffs):
+                assert not t.acked  # no snapshot can include it: still counted
+            elif covered:
+                assert t.acked  # a snapshot includes it: not counted twice

@@ -63,3 +63,12 @@ def test_missing_series_is_an_error_naming_it(missing: str) -> None:
     text = "\n".join(line for line in TWO_ENGINES.splitlines() if missing not in line) + "\n"
     with pytest.raises(MetricsParseError, match=missing):
         parse_vllm_metrics(text, "tiny", 0.0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("field", ["metrics_waiting", "metrics_running", "metrics_kv_usage"])
+def test_nan_infinite_or_negative_values_are_errors_not_crashes(field: str, value: float) -> None:
+    fake = FakeBackend(model="tiny")
+    setattr(fake, field, value)
+    with pytest.raises(MetricsParseError, match="vllm:"):
+        parse_vllm_metrics(fake.metrics_text(), "tiny", 0.0)

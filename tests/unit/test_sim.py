@@ -98,20 +98,57 @@ def test_sal_spreads_a_burst_within_one_poll_period_by_local_accounting() -> Non
 
 
 def test_stale_state_keeps_finished_work_on_the_books_until_the_next_poll() -> None:
-    # A request to replica 0 finishes long before the second arrives.
+    # The earlier, forgetful rule ("reset"): a request to replica 0 finishes long before the
+    # second arrives, and only a snapshot tells the router so.
     reqs = [TraceRequest(0.0, 1000, 2), TraceRequest(50.0, 1000, 2)]
-    fresh = simulate(reqs, replicas=2, router=RouterConfig("sal", poll_interval_s=0.1))
+
+    def router(**kw: float) -> RouterConfig:
+        return RouterConfig("sal", accounting="reset", **kw)
+
+    fresh = simulate(reqs, replicas=2, router=router(poll_interval_s=0.1))
     # With a fresh poll the router sees replica 0 idle again (ties go to the first replica).
     assert [o.replica for o in fresh.outcomes] == [0, 0]
     # With a poll period longer than the run, the router only has its own accounting, which
     # assumes nothing finished: replica 0 still looks busy.
-    stale = simulate(reqs, replicas=2, router=RouterConfig("sal", poll_interval_s=1000.0))
+    stale = simulate(reqs, replicas=2, router=router(poll_interval_s=1000.0))
     assert [o.replica for o in stale.outcomes] == [0, 1]
     # A snapshot delivered late has the same effect as a missing one.
-    late = simulate(
-        reqs, replicas=2, router=RouterConfig("sal", poll_interval_s=0.1, stats_delay_s=60.0)
-    )
+    late = simulate(reqs, replicas=2, router=router(poll_interval_s=0.1, stats_delay_s=60.0))
     assert [o.replica for o in late.outcomes] == [0, 1]
+
+
+def test_a_finished_request_stops_counting_without_waiting_for_a_poll() -> None:
+    # The gateway's rule ("ticket"): the router saw the request end, so replica 0 is idle
+    # again even though no snapshot reached it since.
+    reqs = [TraceRequest(0.0, 1000, 2), TraceRequest(50.0, 1000, 2)]
+    stale = simulate(reqs, replicas=2, router=RouterConfig("sal", poll_interval_s=1000.0))
+    assert [o.replica for o in stale.outcomes] == [0, 0]
+
+
+def test_requests_routed_after_a_delayed_snapshot_was_taken_keep_counting() -> None:
+    # Snapshots reach the router 250 ms after they were taken. A long prompt goes to replica
+    # 0, a short one to replica 1 (both keep decoding for a while). The third request is
+    # routed when the snapshot taken at t=0, before either request, arrives: with "reset" it
+    # wipes both off the books, every replica looks idle with one request in flight, and the
+    # tie goes to replica 0, still busy with its 8,000-token prefill; with "ticket" the long
+    # prompt keeps counting on replica 0 until a snapshot that includes it arrives.
+    reqs = [
+        TraceRequest(0.01, 8000, 400),
+        TraceRequest(0.02, 100, 400),
+        TraceRequest(0.26, 500, 10),
+    ]
+
+    def replicas(accounting: str) -> list[int]:
+        router = RouterConfig("sal", stats_delay_s=0.25, accounting=accounting)
+        return [o.replica for o in simulate(reqs, replicas=2, router=router).outcomes]
+
+    assert replicas("reset") == [0, 1, 0]
+    assert replicas("ticket") == [0, 1, 1]
+
+
+def test_router_config_rejects_unknown_accounting() -> None:
+    with pytest.raises(SimulationError, match="accounting"):
+        RouterConfig(accounting="forget")
 
 
 def test_least_requests_counts_in_flight_until_the_last_token() -> None:

@@ -48,8 +48,12 @@ def test_unknown_fields_are_ignored_and_minor_versions_accepted() -> None:
         ({"num_waiting": -1}, "'num_waiting' must be >= 0"),
         ({"free_kv_tokens": "12"}, "'free_kv_tokens' must be an integer"),
         ({"step": True}, "'step' must be an integer"),
-        ({"time": None}, "'time' must be a number"),
-        ({"alpha": "one"}, "'alpha' must be a number or null"),
+        ({"time": None}, "'time' must be a finite number"),
+        ({"time": float("nan")}, "'time' must be a finite number"),
+        ({"time": float("inf")}, "'time' must be a finite number"),
+        ({"time": 10**400}, "'time' must be a finite number"),
+        ({"alpha": "one"}, "'alpha' must be a finite number or null"),
+        ({"alpha": float("-inf")}, "'alpha' must be a finite number or null"),
     ],
 )
 def test_bad_bodies_are_rejected_naming_the_field(patch: dict[str, object], message: str) -> None:

@@ -1,0 +1,45 @@
+"""The poller's pure pieces: backoff after failures, rate-limited logging."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from sal_gateway.poller import LOG_EVERY_S, _RateLimitedLog, backoff_s
+
+
+def test_backoff_grows_from_the_interval_and_is_capped() -> None:
+    rng = random.Random(1)
+    healthy = [backoff_s(0.1, 0, 2.0, rng) for _ in range(200)]
+    assert all(0.09 <= w <= 0.11 for w in healthy)  # +-10% jitter while polls succeed
+    for failures in range(1, 40):
+        waits = [backoff_s(0.1, failures, 2.0, rng) for _ in range(50)]
+        expected = min(2.0, 0.1 * 2 ** (failures - 1))
+        assert all(expected * 0.5 <= w <= expected for w in waits)
+        assert len(set(waits)) > 1  # jittered: pollers of many backends do not synchronise
+
+
+def test_backoff_never_polls_less_often_than_the_interval_allows() -> None:
+    # A cap below the interval cannot make a failing backend polled faster than a good one.
+    assert backoff_s(5.0, 3, 1.0, random.Random(0)) >= 2.5
+
+
+def test_first_retry_comes_no_later_than_a_normal_poll() -> None:
+    rng = random.Random(2)
+    assert all(backoff_s(0.1, 1, 2.0, rng) <= 0.1 for _ in range(100))
+
+
+def test_repeated_failures_are_logged_once_per_period(caplog: pytest.LogCaptureFixture) -> None:
+    log = _RateLimitedLog()
+    with caplog.at_level(logging.WARNING, logger="sal_gateway.poller"):
+        for i in range(100):
+            log.warning(("http://a:1", "timeout"), i * 0.1, "poll of a timed out")
+        log.warning(("http://a:1", "schema"), 0.0, "other reason, logged at once")
+        log.warning(("http://a:1", "timeout"), 100 * 0.1 + LOG_EVERY_S, "timed out again")
+    assert [r.getMessage() for r in caplog.records] == [
+        "poll of a timed out",
+        "other reason, logged at once",
+        "timed out again (99 similar since last logged)",
+    ]
