@@ -7,10 +7,8 @@ paths (404), wrong methods (405) and framework validation (422) included; an une
 exception is logged with the request id and answered 500 naming that id, never a traceback.
 
 In front of the routes, `front_door.FrontDoor` sets the request id, checks API keys and
-limits concurrent generation requests. A generation request's body must arrive within
-``listen.body_timeout_s`` (408); bodies over `PARSE_IN_THREAD_BYTES` are decoded in the worker
-pool; a request-supplied chat template is refused (400) unless the model trusts them, and
-then rendered by `template_pool` within ``limits.template_timeout_s``.
+limits concurrent generation requests; `admission.admit` reads, validates and counts each
+generation request within its bounds; `error_handlers` shapes the framework's errors.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,54 +25,39 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from sal_gateway import __version__
+from sal_gateway.admission import (
+    LARGE_BODY_SLOTS,
+    admit,
+    count_rejection,
+    forward_headers,
+    request_id_of,
+)
 from sal_gateway.auth import KeyChecker, backend_key, is_loopback, load_keys
 from sal_gateway.beta import BetaEstimator
 from sal_gateway.config import GatewayConfig, ModelConfig
+from sal_gateway.error_handlers import error_response, install_error_handlers
 from sal_gateway.errors import (
-    BadRequest,
-    BodyTooLarge,
     GatewayError,
-    InvalidParams,
-    MethodNotAllowed,
-    ModelNotFound,
-    PathNotFound,
-    RequestTimeout,
-    TemplateRefused,
-    TemplateTimeout,
-    error_body,
 )
-from sal_gateway.front_door import FrontDoor, new_request_id
+from sal_gateway.front_door import FrontDoor
 from sal_gateway.loop_monitor import watch_loop
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.policies import make_policy
 from sal_gateway.poller import Poller
-from sal_gateway.proxy import Forwarder, make_session, upstream_headers
-from sal_gateway.request_body import Endpoint, InboundRequest, parse_body
+from sal_gateway.proxy import Forwarder, make_session
+from sal_gateway.request_body import Endpoint
 from sal_gateway.state import StateTable
 from sal_gateway.template_pool import TemplatePool
-from sal_gateway.tokenizer import PromptCount, PromptCounter, check_length, load_model_tokenizer
+from sal_gateway.tokenizer import PromptCounter, load_model_tokenizer
 
 logger = logging.getLogger("sal_gateway.app")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
-BODY_GRACE_S = 1.0
-"""The handler's own body deadline is this much later than ``listen.body_timeout_s``: under
-``sal-gateway serve`` the HTTP protocol cuts first (`http_protocol`); this one serves other
-ASGI servers."""
-PARSE_IN_THREAD_BYTES = 256 * 1024
-"""Bodies larger than this are JSON-decoded and validated in the worker pool, not on the loop."""
-LARGE_BODY_SLOTS = 4
-"""Requests with a body over `PARSE_IN_THREAD_BYTES` (declared, or chunked) read, decode and
-count at most this many at a time: bounds their memory (slots x ``proxy.max_body_bytes``)
-and the GIL time their decoding takes from the event loop. Others wait, within their body
-deadline."""
 TEMPLATE_WORKERS = 2
 """Processes rendering trusted request templates (only started when some model trusts them)."""
 
@@ -206,75 +188,6 @@ async def build_runtime(
     return runtime
 
 
-async def read_body(request: Request, max_body_bytes: int, timeout_s: float | None = None) -> bytes:
-    """The request body, refusing more than `max_body_bytes` (header or actual size) and a
-    body not complete within `timeout_s` (`RequestTimeout`: a slow client is cut)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _read_body(request, max_body_bytes)
-    except TimeoutError:
-        raise RequestTimeout(
-            f"request body not received within {timeout_s:g} s (listen.body_timeout_s + 1)"
-        ) from None
-
-
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise BadRequest("invalid Content-Length header") from None
-        if size > max_body_bytes:
-            raise BodyTooLarge(
-                f"request body of {size} bytes exceeds the limit of {max_body_bytes} bytes"
-            )
-    chunks = []
-    received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > max_body_bytes:
-            raise BodyTooLarge(f"request body exceeds the limit of {max_body_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _error_response(exc: GatewayError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers or None)
-
-
-_NOT_FORWARDED = frozenset({"authorization", "x-request-id", "content-encoding", "expect"})
-# RFC 9110 token: a name our HTTP parser let through but the upstream client refuses (or the
-# backend chokes on) would fail the request as if the backend were down, and mark it suspect.
-_FORWARDABLE_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
-def _clean(value: str) -> bool:
-    return all(c == "\t" or " " <= c != "\x7f" for c in value)
-
-
-def request_id_of(request: Request) -> str:
-    """The id `FrontDoor` gave this request (a fresh one if it did not run)."""
-    rid = request.scope.get("state", {}).get("request_id")
-    return rid if isinstance(rid, str) else new_request_id()
-
-
-def forward_headers(request: Request, rt: Runtime, request_id: str) -> dict[str, str]:
-    """Headers sent upstream: the client's minus hop-by-hop ones, its credentials and what
-    described the body as it arrived (it was validated as plain JSON: a forwarded
-    ``Content-Encoding: gzip`` or ``Expect`` would make the backend fail the request, and the
-    gateway would blame the backend); our request id; the configured backend key, if any."""
-    headers = {
-        k: v
-        for k, v in upstream_headers(request.headers).items()
-        if k.lower() not in _NOT_FORWARDED and _FORWARDABLE_NAME.fullmatch(k) and _clean(v)
-    }
-    headers["X-Request-Id"] = request_id
-    if rt.backend_key is not None:
-        headers["Authorization"] = f"Bearer {rt.backend_key}"
-    return headers
-
-
 async def _wait_disconnect(request: Request) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
@@ -302,80 +215,11 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
     return work_task.result()
 
 
-async def _parse(raw: bytes, endpoint: Endpoint, rt: Runtime) -> InboundRequest:
-    max_n = rt.config.limits.max_n
-    if len(raw) <= PARSE_IN_THREAD_BYTES:
-        return parse_body(raw, endpoint, max_n=max_n)
-    parse = functools.partial(parse_body, raw, endpoint, max_n=max_n, yielding=True)
-    return await asyncio.get_running_loop().run_in_executor(rt.executor, parse)
-
-
-async def _count(
-    rt: Runtime, counter: PromptCounter, inbound: InboundRequest, raw: bytes
-) -> PromptCount:
-    """Prompt tokens; a request template is refused unless trusted, then rendered in a
-    killable worker process (`template_pool`)."""
-    thread_above = rt.config.proxy.tokenize_in_thread_chars
-    if inbound.chat_template is None:
-        return await counter.count(inbound, rt.executor, thread_above)
-    model = rt.config.model(inbound.model)
-    if model is None or not model.trust_request_chat_template or rt.templates is None:
-        raise TemplateRefused(
-            "request-supplied chat templates are not accepted for this model (the operator "
-            "can allow them with models[].trust_request_chat_template)",
-            param="chat_template",
-        )
-    if not counter.has_tokenizer:
-        return counter.count_sync(inbound)  # the estimate needs no rendering
-    text = await rt.templates.render(raw, counter.special_tokens)
-    return await counter.count_rendered(text, inbound, rt.executor, thread_above)
-
-
-def _count_rejection(rt: Runtime, exc: GatewayError) -> None:
-    if isinstance(exc, RequestTimeout):
-        rt.metrics.rejected.labels(reason="body_timeout").inc()
-    elif isinstance(exc, TemplateRefused | TemplateTimeout):
-        rt.metrics.rejected.labels(reason="template").inc()
-
-
-def _is_large(request: Request) -> bool:
-    declared = request.headers.get("content-length")
-    if declared is None:
-        return True  # chunked: could be anything up to the limit
-    return not declared.isdigit() or int(declared) > PARSE_IN_THREAD_BYTES
-
-
-async def _admit(
-    request: Request, endpoint: Endpoint, rt: Runtime
-) -> tuple[InboundRequest, bytes, PromptCount]:
-    """Read, validate and count one request (large ones within `LARGE_BODY_SLOTS`)."""
-    deadline_s = rt.config.listen.body_timeout_s + BODY_GRACE_S
-    async with contextlib.AsyncExitStack() as stack:
-        if _is_large(request):
-            try:
-                async with asyncio.timeout(deadline_s):
-                    await stack.enter_async_context(rt.large_bodies)
-            except TimeoutError:
-                raise RequestTimeout(
-                    f"request body not received within {deadline_s:g} s (waiting for a slot "
-                    "among the large requests in progress)"
-                ) from None
-        raw = await read_body(request, rt.config.proxy.max_body_bytes, deadline_s)
-        inbound = await _parse(raw, endpoint, rt)
-        counter = rt.counters.get(inbound.model)
-        if counter is None:
-            raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
-        count = await _count(rt, counter, inbound, raw)
-        check_length(count, inbound.max_tokens, counter.max_model_len)
-        return inbound, raw, count
-    raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions
-
-
 async def _generate(request: Request, endpoint: Endpoint) -> Response:
     rt: Runtime = request.app.state.runtime
     model_label = "unknown"  # unconfigured names never become label values
     try:
-        inbound, raw, count = await _admit(request, endpoint, rt)
+        inbound, raw, count = await admit(request, endpoint, rt)
         model_label = inbound.model
         rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
         if count.estimated:
@@ -388,49 +232,12 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     except ClientDisconnect:
         return Response(status_code=499)  # went away while sending its body
     except GatewayError as exc:
-        _count_rejection(rt, exc)
+        count_rejection(rt, exc)
         if not exc.counted:
             rt.metrics.requests.labels(
                 model=model_label, backend=exc.backend or "none", status=str(exc.status)
             ).inc()
-        return _error_response(exc)
-
-
-def _http_error(request: Request, exc: StarletteHTTPException) -> GatewayError:
-    """Starlette's routing errors as gateway errors (the path is the client's: bounded)."""
-    where = f"{request.method[:16]} {request.url.path[:200]}"
-    if exc.status_code == 404:
-        return PathNotFound(f"Invalid URL ({where}): no such route")
-    if exc.status_code == 405:
-        return MethodNotAllowed(f"Method not allowed ({where})", headers=dict(exc.headers or {}))
-    err = GatewayError(f"{exc.detail} ({where})", headers=dict(exc.headers or {}))
-    err.status = exc.status_code
-    if exc.status_code < 500:
-        err.error_type = "invalid_request_error"
-    return err
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error_response(_http_error(request, exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        msg = f"invalid request: {str(first.get('msg', 'validation failed'))[:200]}"
-        return _error_response(InvalidParams(msg, param=loc or None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        rid = request_id_of(request)
-        logger.exception(
-            "unexpected error on %s %s (request id %s)", request.method, request.url.path, rid
-        )
-        response = _error_response(GatewayError(f"internal gateway error (request id {rid})"))
-        response.headers["X-Request-Id"] = rid  # outside FrontDoor: add it here
-        return response
+        return error_response(exc)
 
 
 def _front_door(app: FastAPI, config: GatewayConfig) -> None:
@@ -503,7 +310,7 @@ def create_app(
         openapi_url=None,
     )
 
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _front_door(app, config)
 
     async def completions(request: Request) -> Response:

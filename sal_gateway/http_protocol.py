@@ -80,7 +80,9 @@ class DeadlineProtocol(HttpToolsProtocol):
         self._headers_too_large = False
 
     def _answer_and_close(self, status: int, message: str) -> None:
-        """Send a final error and close lingering (see the module docstring)."""
+        """Send a final error and close lingering (see the module docstring); once only."""
+        if self._lingering:
+            return
         self._disarm()
         self._lingering = True
         self.transport.write(_raw_error(status, message))
@@ -138,6 +140,7 @@ class DeadlineProtocol(HttpToolsProtocol):
         if (
             self._awaiting_headers
             and self._header_bytes > MAX_HEADER_BYTES
+            and not self._lingering
             and not self.transport.is_closing()
         ):
             self._answer_and_close(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")

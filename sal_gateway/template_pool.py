@@ -26,7 +26,7 @@ from sal_gateway.errors import BadRequest, TemplateBusy, TemplateTimeout
 
 logger = logging.getLogger("sal_gateway.template_pool")
 
-ACQUIRE_TIMEOUT_S = 10.0
+ACQUIRE_TIMEOUT_S = 30.0
 """Longest wait for a free worker (covers a replacement's start-up) before a 429."""
 START_TIMEOUT_S = 120.0
 """A worker that does not report ready within this is killed and retried."""
@@ -122,6 +122,11 @@ class TemplatePool:
         self._closed = False
         self.kills = 0
         """Workers killed for overrunning the budget (tests and logs read it)."""
+
+    @property
+    def idle_workers(self) -> int:
+        """Workers started and waiting for a job."""
+        return self._idle.qsize()
 
     def start(self) -> None:
         """Start the workers in the background (call in the running loop)."""

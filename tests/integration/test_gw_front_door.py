@@ -63,7 +63,8 @@ def trusted(tiny_model_dir: Path) -> Iterator[Rig]:
     with gateway_rig(1, tokenizer=tiny_model_dir, max_model_len=256, extra=extra) as r:
         templates = r.runtime.templates
         assert templates is not None
-        # The workers start in the background (importing Jinja); a render waits for one.
+        # The workers start in the background (importing Jinja, niced: slow on a busy box).
+        wait_until(lambda: templates.idle_workers == 2, timeout_s=120.0)
         yield r
 
 
