@@ -206,7 +206,7 @@ class Forwarder:
         last_error: Exception | None = None
         failed_url = ""
         # Ask streams for usage (beta and token counters need it) without the client seeing it.
-        injected = with_usage_requested(inbound.body) if inbound.stream else None
+        injected = with_usage_requested(inbound.body, raw_body) if inbound.stream else None
         body = raw_body if injected is None else injected
         for _attempt in range(self._routing.max_retries + 1):
             try:

@@ -31,17 +31,23 @@ def test_usage_is_read_from_json_and_from_the_stream_tail() -> None:
 
 def test_usage_is_requested_only_when_the_client_did_not() -> None:
     asked = {"model": "m", "stream": True, "stream_options": {"include_usage": True}}
-    assert with_usage_requested(asked) is None
+    assert with_usage_requested(asked, json.dumps(asked).encode()) is None
     body = {
         "model": "m",
         "stream": True,
         "stream_options": {"continuous_usage_stats": True},
         "ignore_eos": True,
     }
-    sent = json.loads(with_usage_requested(body) or b"")
+    raw = json.dumps(body, indent=1).encode() + b"\n"
+    spliced = with_usage_requested(body, raw) or b""
+    sent = json.loads(spliced)
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
     assert sent["ignore_eos"] is True
+    assert spliced.startswith(raw.rstrip()[:-1])  # the client's bytes, not a re-encoding
     assert body["stream_options"] == {"continuous_usage_stats": True}  # caller's dict untouched
+    # Not UTF-8 text (JSON may be UTF-16): re-encoded instead of spliced.
+    sent16 = json.loads(with_usage_requested(body, json.dumps(body).encode("utf-16")) or b"")
+    assert sent16["stream_options"]["include_usage"] is True
 
 
 @settings(deadline=None)  # timing is not what this checks
