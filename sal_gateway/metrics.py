@@ -49,7 +49,22 @@ _LATENCY_BUCKETS_S = (
 _DECISION_BUCKETS_S = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 _POLL_INTERVAL_BUCKETS_S = (0.05, 0.08, 0.09, 0.1, 0.11, 0.12, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _MB = ("model", "backend")
-_LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_LOOP_LAG_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 REJECT_REASONS = ("unauthorized", "over_limit", "body_timeout", "header_timeout", "template")
 """Values of ``sal_rejected_requests_total{reason}``."""
 
