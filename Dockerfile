@@ -31,13 +31,16 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 RUN "${PYTHON}" -m venv /opt/sal
 COPY pyproject.toml README.md* ./
+COPY sal_core/ sal_core/
 COPY sal_gateway/ sal_gateway/
 COPY engine_patch/ engine_patch/
 COPY engine_sim/ engine_sim/
 COPY bench/ bench/
 # A regular (non-editable) install: the runtime stage gets site-packages, not a link to /src.
+# With the otel extra, so that `tracing.enabled` works in the image, and kv-events, so that
+# `routing.prefix_cache: kv_events` does (pyzmq, msgspec: manylinux wheels).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-cert \
-    /opt/sal/bin/pip install --no-compile . \
+    /opt/sal/bin/pip install --no-compile '.[otel,kv-events]' \
     && /opt/sal/bin/python -m compileall -q /opt/sal/lib
 
 FROM ${PYTHON_IMAGE} AS runtime

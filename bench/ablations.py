@@ -2,7 +2,7 @@
 
 `SalPositionTies` is SAL as the paper states it, with the plainest stable tie-break: among
 backends with the same SAL load, the earliest position wins. The product's SAL
-(`sal_gateway.policies.SAL`) breaks ties by fewest in-flight requests first. When every
+(`sal_core.policies.SAL`) breaks ties by fewest in-flight requests first. When every
 queue is empty and memory is plentiful, all SAL loads are equal (the queue term is just the
 request's own prompt), so the tie-break alone decides where work goes; this variant measures
 what the product's choice is worth.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sal_gateway.policies import SAL, BackendView, Decision, RouteRequest, sal_load
+from sal_core.policies import SAL, BackendView, Decision, RouteRequest, sal_load
 
 
 class SalPositionTies(SAL):

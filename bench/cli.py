@@ -12,7 +12,19 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench import experiments, fuzz_bench, real_path, simulate_cmd, soak
+from bench import (
+    capacity,
+    experiments,
+    fuzz_bench,
+    gateways,
+    larry_tail,
+    prefix_bench,
+    prefix_real,
+    real_path,
+    sensitivity,
+    simulate_cmd,
+    soak,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +64,12 @@ _PASSTHROUGH: dict[str, Callable[[argparse.Namespace], int]] = {
 COMMANDS: tuple[Command, ...] = (
     Command("simulate", simulate_cmd.HELP, simulate_cmd.configure, simulate_cmd.run),
     Command("experiments", experiments.HELP, experiments.configure, experiments.run),
+    Command("capacity", capacity.HELP, capacity.configure, capacity.run),
+    Command("gateways", gateways.HELP, gateways.configure, gateways.run),
+    Command("sensitivity", sensitivity.HELP, sensitivity.configure, sensitivity.run),
+    Command("larry-tail", larry_tail.HELP, larry_tail.configure, larry_tail.run),
     Command("real-path", real_path.HELP, real_path.configure, real_path.run),
+    Command("prefix-real", prefix_real.HELP, prefix_real.configure, prefix_real.run),
     Command("soak", soak.HELP, soak.configure, soak.run),
     Command(
         "gateway",
@@ -63,11 +80,13 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "larry-vllm",
-        "LARRY vs FCFS on one real vLLM-on-CPU replica (= python -m bench.larry_vllm_bench)",
+        "FCFS vs LARRY vs larry_tail on one real vLLM-on-CPU replica "
+        "(= python -m bench.larry_vllm_bench)",
         _remainder,
         _run_larry_vllm_bench,
     ),
     Command("fuzz", fuzz_bench.HELP, fuzz_bench.configure, fuzz_bench.run),
+    Command("prefix", prefix_bench.HELP, prefix_bench.configure, prefix_bench.run),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 

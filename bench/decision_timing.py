@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from sal_gateway.policies import POLICIES, BackendView, RouteRequest, make_policy
+from sal_core.percentile import percentile
+from sal_core.policies import POLICIES, BackendView, RouteRequest, make_policy
+from sal_core.stats import ReplicaStats
 from sal_gateway.state import StateTable
-from sal_gateway.stats import ReplicaStats
 
 _MODEL = "tiny"
 
@@ -48,11 +50,6 @@ def make_snapshot(n_backends: int, seed: int = 0) -> list[BackendView]:
     ]
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))
-    return sorted_values[index]
-
-
 def time_policy(name: str, n_backends: int, calls: int, batch: int = 50) -> DecisionTiming:
     """Time ``calls`` decisions of policy ``name``, in batches of ``batch`` calls per sample.
 
@@ -70,14 +67,13 @@ def time_policy(name: str, n_backends: int, calls: int, batch: int = 50) -> Deci
         for _ in range(batch):
             policy.select(request, backends)
         samples.append((time.perf_counter() - start) / batch * 1e6)
-    samples.sort()
     return DecisionTiming(
         policy=name,
         backends=n_backends,
         calls=len(samples) * batch,
         mean_us=sum(samples) / len(samples),
-        p50_us=_percentile(samples, 0.50),
-        p99_us=_percentile(samples, 0.99),
+        p50_us=percentile(samples, 50),
+        p99_us=percentile(samples, 99),
     )
 
 
@@ -110,14 +106,13 @@ def time_request_path(name: str, n_backends: int, calls: int) -> DecisionTiming:
         for _ in range(50):
             policy.select(request, table.views(_MODEL, 0.5))
         samples.append((time.perf_counter() - start) / 50 * 1e6)
-    samples.sort()
     return DecisionTiming(
         policy=f"{name}: views() + select()",
         backends=n_backends,
         calls=len(samples) * 50,
         mean_us=sum(samples) / len(samples),
-        p50_us=_percentile(samples, 0.50),
-        p99_us=_percentile(samples, 0.99),
+        p50_us=percentile(samples, 50),
+        p99_us=percentile(samples, 99),
     )
 
 
@@ -126,3 +121,137 @@ def time_all_policies(n_backends: int = 64, calls: int = 20_000) -> list[Decisio
     rows = [time_policy(name, n_backends, calls) for name in sorted(POLICIES)]
     rows.append(time_request_path("sal", n_backends, calls))
     return rows
+
+
+# --- prefix-cache tracking cost (issue 9) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixCost:
+    """Per-request cost of one step of prefix-cache tracking (microseconds)."""
+
+    step: str
+    p50_us: float
+    p99_us: float
+
+
+def _timed(fn: Callable[[], object], reps: int, batch: int = 10) -> tuple[float, float]:
+    fn()  # warm-up
+    samples = []
+    for _ in range(max(1, reps // batch)):
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        samples.append((time.perf_counter() - start) / batch * 1e6)
+    return percentile(samples, 50), percentile(samples, 99)
+
+
+def time_prefix_tracking(
+    n_backends: int = 64,
+    prompt_tokens: int = 8192,
+    block_size: int = 16,
+    holders: int = 8,
+    reps: int = 400,
+    seed: int = 0,
+) -> list[PrefixCost]:
+    """What tracking prefix caches adds per request, at `n_backends` replicas and a prompt
+    of `prompt_tokens`: hashing its blocks (where it is tokenized), the lookup over every
+    replica (`PrefixTracker.annotate`; `holders` replicas hold the whole prompt, which makes
+    their walks the longest, every other one a shared first block and other conversations),
+    taking and releasing the hold on the chosen replica, and the whole routing decision
+    (views, lookup, SAL) next to SAL without a lookup."""
+    from sal_core.prefix import chain_hashes
+    from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(10, 32_000) for _ in range(prompt_tokens)]
+    keys = tuple(chain_hashes(ids, block_size))
+    blocks = PromptBlocks(keys, prompt_tokens + 50)
+    table = _state_table(n_backends, seed)
+    tracker = PrefixTracker("approximate")
+    for b in table.backends(_MODEL):
+        assert b.stats is not None
+        tracker.observe(_MODEL, b.url, replace(b.stats, prefix_caching=True))
+    for i, b in enumerate(table.backends(_MODEL)):
+        if i < holders:
+            tracker.hold(_MODEL, b.url, blocks)
+        for _ in range(20):  # other conversations sharing the first block
+            other = ids[:block_size] + [rng.randrange(10, 32_000) for _ in range(2048)]
+            tracker.hold(_MODEL, b.url, PromptBlocks(tuple(chain_hashes(other, block_size)), 2048))
+    sal = make_policy("sal")
+    request = RouteRequest(prompt_tokens, beta=2.0)
+    url = table.backends(_MODEL)[holders].url
+
+    def hold_release() -> None:
+        release = tracker.hold(_MODEL, url, blocks)
+        assert release is not None
+        release()
+
+    def annotate() -> None:
+        tracker.annotate(_MODEL, table.views(_MODEL, 0.5), blocks)
+
+    def decide() -> None:
+        views = table.views(_MODEL, 0.5)
+        tracker.annotate(_MODEL, views, blocks)
+        sal.select(request, views)
+
+    steps = {
+        f"hash {prompt_tokens} token ids ({len(keys)} blocks of {block_size})": lambda: (
+            chain_hashes(ids, block_size)
+        ),
+        f"views() + lookup over {n_backends} replicas ({holders} hold the whole prompt)": annotate,
+        f"views() only, {n_backends} replicas": lambda: table.views(_MODEL, 0.5),
+        "hold + release on the chosen replica": hold_release,
+        f"views() + lookup + SAL select, {n_backends} replicas": decide,
+        f"views() + SAL select without a lookup, {n_backends} replicas": lambda: sal.select(
+            request, table.views(_MODEL, 0.5)
+        ),
+    }
+    return [PrefixCost(name, *_timed(fn, reps)) for name, fn in steps.items()]
+
+
+def time_tokenize_with_keys(
+    model_dir: str, prompt_tokens: int = 8192, block_size: int = 16, reps: int = 20
+) -> list[PrefixCost]:
+    """Counting an ~`prompt_tokens` text prompt with the tiny model's tokenizer, without and
+    with its block keys (what `routing.prefix_cache` adds where the prompt is tokenized)."""
+    import json
+
+    from bench.tokenize_timing import _text_of_tokens
+    from sal_gateway.request_body import Endpoint, parse_body
+    from sal_gateway.tokenizer import load_model_tokenizer
+
+    counter = load_model_tokenizer(model_dir, None)
+    text = _text_of_tokens(counter, prompt_tokens, seed=7)
+    req = parse_body(json.dumps({"model": "tiny", "prompt": text}).encode(), Endpoint.COMPLETIONS)
+    n = counter.count_sync(req).total
+    return [
+        PrefixCost(
+            f"tokenize {n} tokens (count only)", *_timed(lambda: counter.count_sync(req), reps, 1)
+        ),
+        PrefixCost(
+            f"tokenize {n} tokens + block keys",
+            *_timed(lambda: counter.count_sync(req, block_size), reps, 1),
+        ),
+    ]
+
+
+def main() -> int:
+    """``python -m bench.decision_timing``: print the prefix-tracking costs next to the
+    tokenization of the same prompt (the tiny model's tokenizer, built in a temp dir)."""
+    import tempfile
+    from pathlib import Path
+
+    from engine_patch import tiny_model
+
+    rows = time_prefix_tracking()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model.build(Path(tmp) / "tiny", max_model_len=16384)
+        rows += time_tokenize_with_keys(str(model_dir))
+    for row in rows:
+        print(f"{row.step:80s} p50 {row.p50_us:9.1f} us  p99 {row.p99_us:9.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

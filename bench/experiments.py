@@ -1,12 +1,14 @@
 """``sal-bench experiments``: the paper's experiments on the simulator, with one command.
 
-    sal-bench experiments [--quick] --out docs/results [--data-dir ../shared/data]
+    sal-bench experiments [--quick] --out docs/results [--data-dir DIR]
 
-Writes ``results.md`` (markdown tables), ``results.json`` (every run's numbers) and PNG plots
-(`bench.plots`) to the output folder:
+Reads the two Azure traces from the repository's ``data/`` (elsewhere: ``--data-dir`` or
+``SAL_DATA_DIR``, see `engine_sim.data`). Writes ``results.md`` (markdown tables),
+``results.json`` (every run's numbers) and PNG plots (`bench.plots`) to the output folder:
 
 (a) one replica (Llama-3-8B on A100), engine schedulers {fcfs, larry alpha 1/500/1000,
-    no_preempt, trail_plus}, workloads chat / chat-bursty / code, load 0.5x..3x of 1x;
+    no_preempt, trail_plus, larry_tail, tgi}, workloads chat / chat-bursty / code, load
+    0.5x..3x of 1x;
 (b) fleets of 8 x Llama-3-8B/A100 and 4 x Llama-3-70B-FP8/2xH100: routers {sal, p2c, random,
     round_robin, least_requests} x engine schedulers {larry, fcfs, trail_plus}, chat with the
     trace's own timestamps and with bursty arrivals.
@@ -40,13 +42,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
+
 HELP = "reproduce the paper's experiments: markdown tables + PNG plots in one folder"
 
 Row = dict[str, Any]
 
 WORKLOADS = ("chat", "chat-bursty", "code")
-CHAT_CSV = "AzureLLMInferenceTrace_conv.csv"
-CODE_CSV = "AzureLLMInferenceTrace_code.csv"
+CHAT_CSV = AZURE_CHAT
+CODE_CSV = AZURE_CODE
 
 LENGTHS = {"chat": "chat", "chat-bursty": "chat", "code": "code"}
 """Which length distribution each workload carries."""
@@ -58,6 +62,8 @@ BASE_LOAD: dict[tuple[str, str], float] = {
     ("chat", "llama3-8b-a100"): 0.505,
     ("code", "llama3-8b-a100"): 0.521,
     ("chat", "llama3-70b-fp8-h100x2"): 0.475,
+    # Code on 70B (for `sal-bench capacity`), measured the same way: knee at 0.95.
+    ("code", "llama3-70b-fp8-h100x2"): 0.475,
 }
 """Trace load factor that is "1x" for ONE replica, per (lengths, profile); see module doc."""
 
@@ -74,8 +80,12 @@ SINGLE_SCHEDULERS: tuple[tuple[str, str, float], ...] = (
     ("larry a=1000", "larry", 1000.0),
     ("no_preempt", "no_preempt", 1.0),
     ("trail_plus", "trail_plus", 1.0),
+    ("larry_tail", "larry_tail", 1.0),
+    ("tgi", "tgi", 1.0),
 )
-"""(label, engine scheduler, alpha) of experiment (a)."""
+"""(label, engine scheduler, alpha) of experiment (a). ``larry_tail`` runs its defaults
+(`sal_core.larry_tail.TailParams`), ``tgi`` TGI's (`sal_core.tgi.TgiParams`); their own
+comparison over five trace windows is ``sal-bench larry-tail``."""
 
 FLEET_SCHEDULERS: tuple[tuple[str, str, float], ...] = (
     ("larry", "larry", 1.0),
@@ -126,7 +136,10 @@ QUICK = Plan(
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/results"), help="output folder")
     parser.add_argument(
-        "--data-dir", type=Path, default=Path("../shared/data"), help="Azure trace CSVs"
+        "--data-dir",
+        type=Path,
+        default=data_dir(),
+        help="folder of the Azure trace CSVs (the repository's data/)",
     )
     parser.add_argument("--quick", action="store_true", help="short windows (about a minute)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random/p2c (0)")
@@ -411,9 +424,12 @@ def model_sources() -> dict[str, str]:
         "engine_sim.schedulers",
         "engine_sim.cost_model",
         "engine_sim.simulator",
-        "engine_patch.larry",
-        "sal_gateway.policies",
-        "sal_gateway.beta",
+        "sal_core.larry",
+        "sal_core.larry_tail",
+        "sal_core.drain_rate",
+        "sal_core.tgi",
+        "sal_core.policies",
+        "sal_core.beta",
     ):
         module = importlib.import_module(name)
         source = Path(str(module.__file__)).read_bytes()
@@ -427,10 +443,8 @@ def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     for name in (CHAT_CSV, CODE_CSV):
         if not (args.data_dir / name).is_file():
-            print(
-                f"sal-bench experiments: error: {args.data_dir / name} not found (pass --data-dir)",
-                file=sys.stderr,
-            )
+            missing = missing_message(args.data_dir / name, "--data-dir")
+            print(f"sal-bench experiments: error: {missing}", file=sys.stderr)
             return 2
     if args.calibrate:
         for lengths, profile in BASE_LOAD:

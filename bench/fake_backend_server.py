@@ -1,4 +1,4 @@
-"""Serve `sal_gateway.testing.FakeBackend` in a process of its own, for benchmarks and fault tests.
+"""Serve `engine_sim.fake_vllm.FakeBackend` in a process of its own, for benchmarks and fault tests.
 
 ``python -m bench.fake_backend_server --port P [--model tiny]`` runs the fake vLLM server
 (OpenAI API with ``usage``, ``/stats``, ``/metrics``) with uvicorn on uvloop + httptools on
@@ -11,7 +11,10 @@ Fault knobs (used by the real-process fault tests), in `FaultyFake`:
 * ``POST /_fault`` with a JSON object sets, at run time, any `FakeBehaviour` field (e.g.
   ``{"engine_frozen": true, "stall_after_chunks": 0}`` for an engine frozen behind a live
   API server, ``{"stats_delay_s": 2}`` for a slow ``/stats``) and ``stats_mode``, a malformed
-  ``/stats`` (`STATS_MODES`). It answers the knobs now in force.
+  ``/stats`` (`STATS_MODES`), and ``fail_after_headers`` (`AFTER_HEADERS_MODES`, or null):
+  each recorded streaming request gets 200 ``text/event-stream`` headers, then ``exit`` (the
+  process dies at once: a replica killed right after it accepted a request) or ``empty``
+  (the stream ends cleanly without a byte of content). It answers the knobs now in force.
 * ``--record PATH`` appends one line per generation request to PATH, flushed at once (so it
   survives a SIGKILL): ``start ID`` when the request arrives, then ``done ID`` when the last
   byte of its answer was handed to the server with the client still there, or ``abort ID``
@@ -24,12 +27,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import IO, Any
 
 import uvicorn
 
-from sal_gateway.testing import FakeBackend, FakeBehaviour, Message, Receive, Scope, Send
+from engine_sim.fake_vllm import FakeBackend, FakeBehaviour, Message, Receive, Scope, Send
 
 STATS_MODES = ("ok", "nested", "nan", "schema", "status_503", "stock_nan")
 """``/stats`` bodies: ``ok`` (the fake's own), ``nested`` (JSON nested 100,000 deep), ``nan``
@@ -38,6 +42,8 @@ STATS_MODES = ("ok", "nested", "nan", "schema", "status_503", "stock_nan")
 ``NaN`` in ``/metrics``)."""
 
 NESTED_DEPTH = 100_000
+AFTER_HEADERS_MODES = ("exit", "empty")
+"""``fail_after_headers`` modes: what a stream gets after its headers (see the docstring)."""
 
 
 class FaultyFake:
@@ -47,6 +53,7 @@ class FaultyFake:
         self.backend = backend
         self.record = record
         self.stats_mode = "ok"
+        self.fail_after_headers: str | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,12 +87,23 @@ class FaultyFake:
                     )
                     return
                 self.stats_mode = value
+            elif key == "fail_after_headers":
+                if value is not None and value not in AFTER_HEADERS_MODES:
+                    await _reply(
+                        send, 400, f"{key} not in {AFTER_HEADERS_MODES}".encode(), b"text/plain"
+                    )
+                    return
+                self.fail_after_headers = value
             elif key in {f.name for f in dataclasses.fields(behaviour)}:
                 setattr(behaviour, key, value)
             else:
                 await _reply(send, 400, f"unknown knob {key!r}".encode(), b"text/plain")
                 return
-        state = {**dataclasses.asdict(behaviour), "stats_mode": self.stats_mode}
+        state = {
+            **dataclasses.asdict(behaviour),
+            "stats_mode": self.stats_mode,
+            "fail_after_headers": self.fail_after_headers,
+        }
         state.pop("stats_raw_body", None)  # bytes: not JSON
         await _reply(send, 200, json.dumps(state).encode(), b"application/json")
 
@@ -110,10 +128,14 @@ class FaultyFake:
     async def _recorded(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _read_body(receive)
         try:
-            request_id = str(json.loads(body).get("user", "-"))
+            parsed = json.loads(body)
+            request_id, stream = str(parsed.get("user", "-")), parsed.get("stream") is True
         except (ValueError, AttributeError):
-            request_id = "-"
+            request_id, stream = "-", False
         self._write(f"start {request_id}")
+        if self.fail_after_headers is not None and stream:
+            await self._fail_after_headers(send, request_id)
+            return
         replayed = False
         gone = False
         finished = False
@@ -138,6 +160,14 @@ class FaultyFake:
             await self.backend(scope, replay, watched_send)
         finally:
             self._write(f"{'done' if finished and not gone else 'abort'} {request_id}")
+
+    async def _fail_after_headers(self, send: Send, request_id: str) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self.fail_after_headers == "exit":
+            os._exit(17)  # uvicorn wrote the headers to the socket already; nothing flushes
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._write(f"abort {request_id}")
 
     def _write(self, line: str) -> None:
         assert self.record is not None

@@ -39,6 +39,7 @@ from bench.hostile import (
     send_raw,
 )
 from bench.processes import PortAllocator, ServerGroup
+from sal_core.percentile import percentile
 
 HELP = "hostile-request fuzz: 5xx, loop lag, memory and well-formed latency quiet vs fuzzed"
 TEMPLATE_TIMEOUT_S = 0.5
@@ -66,6 +67,14 @@ class FuzzResult:
     fds_after: float = 0.0
     duration_s: float = 0.0
     alive: bool = True
+    client_cpu_s: float = 0.0
+    """CPU the fuzzing client itself used during the fuzz (it shares the machine)."""
+    gateway_cpu_s: float = 0.0
+    """CPU the gateway process used during the fuzz (its worker processes not included)."""
+    rate_per_s: float = 0.0
+    """The flood's pace (0: as fast as its connections go)."""
+    benign: bool = False
+    """The control flood (well-formed requests) instead of hostile ones."""
 
 
 def _scrape(url: str) -> Samples:
@@ -101,13 +110,6 @@ def lag_quantile(before: dict[float, float], after: dict[float, float], q: float
     return float("inf")
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def _well_formed(host: str, port: int, n: int | None, stop: asyncio.Event) -> list[float]:
     """Sequential well-formed requests (n of them, or until `stop`); latency of each, or -1
     for a failure."""
@@ -127,7 +129,28 @@ async def _well_formed(host: str, port: int, n: int | None, stop: asyncio.Event)
     return out
 
 
-async def _fuzz(host: str, port: int, n: int, seed: int, concurrency: int, r: FuzzResult) -> None:
+def benign_requests(n: int, models: Models) -> Iterator[Hostile]:
+    """The control flood (``--benign``): `n` well-formed completions, the same load shape as
+    the hostile flood (same count, same connections) with nothing hostile in it, so that
+    what a flood costs well-formed latency can be told apart from what hostile content does."""
+    for i in range(n):
+        body = {"model": models.plain, "prompt": f"benign {i} " * (1 + i % 64), "max_tokens": 2}
+        yield Hostile("benign", http("POST", "/v1/completions", json.dumps(body).encode()), True)
+
+
+async def _fuzz(
+    host: str,
+    port: int,
+    n: int,
+    seed: int,
+    concurrency: int,
+    r: FuzzResult,
+    benign: bool,
+    rate_per_s: float = 0.0,
+) -> None:
+    """Send the flood over `concurrency` connections: as fast as they go (`rate_per_s` 0),
+    or paced to `rate_per_s` requests a second (open loop, still at most `concurrency` in
+    flight)."""
     queue: asyncio.Queue[Hostile | None] = asyncio.Queue(maxsize=concurrency * 2)
 
     async def worker() -> None:
@@ -143,14 +166,20 @@ async def _fuzz(host: str, port: int, n: int, seed: int, concurrency: int, r: Fu
                 r.well_formed_failures.append((item.kind, status))
 
     workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    for item in hostile_requests(seed, n, Models()):
+    flood = benign_requests(n, Models()) if benign else hostile_requests(seed, n, Models())
+    started = time.monotonic()
+    for i, item in enumerate(flood):
+        if rate_per_s > 0:
+            await asyncio.sleep(max(0.0, started + i / rate_per_s - time.monotonic()))
         await queue.put(item)
     for _ in workers:
         await queue.put(None)
     await asyncio.gather(*workers)
 
 
-async def _run(url: str, n: int, seed: int, concurrency: int, quiet: int) -> FuzzResult:
+async def _run(
+    url: str, n: int, seed: int, concurrency: int, quiet: int, benign: bool, rate_per_s: float
+) -> FuzzResult:
     host, port = "127.0.0.1", int(url.rsplit(":", 1)[1])
     r = FuzzResult()
     never = asyncio.Event()
@@ -160,16 +189,20 @@ async def _run(url: str, n: int, seed: int, concurrency: int, quiet: int) -> Fuz
     r.fds_before = before[("process_open_fds", ())]
     stop = asyncio.Event()
     start = time.monotonic()
+    cpu_start = time.process_time()
     normal = asyncio.create_task(_well_formed(host, port, None, stop))
-    await _fuzz(host, port, n, seed, concurrency, r)
+    await _fuzz(host, port, n, seed, concurrency, r, benign, rate_per_s)
     stop.set()
     r.fuzz_latency_s = await normal
     r.duration_s = time.monotonic() - start
+    r.client_cpu_s = time.process_time() - cpu_start
     r.well_formed_failures.extend(("normal client", None) for x in r.fuzz_latency_s if x < 0)
     r.fuzz_latency_s = [x for x in r.fuzz_latency_s if x >= 0]
     after = await asyncio.to_thread(_scrape, url)
     r.rss_after = after[("process_resident_memory_bytes", ())]
     r.fds_after = after[("process_open_fds", ())]
+    cpu = ("process_cpu_seconds_total", ())
+    r.gateway_cpu_s = after[cpu] - before[cpu]
     lag_before, lag_after = _lag_buckets(before), _lag_buckets(after)
     r.lag_p99_s = lag_quantile(lag_before, lag_after, 0.99)
     r.lag_max_bucket_s = lag_quantile(lag_before, lag_after, 1.0)
@@ -204,10 +237,19 @@ def single_request_lags(url: str) -> dict[str, float]:
 
 
 def run_fuzz(
-    url: str, n: int, seed: int = 1, concurrency: int = 16, quiet: int = 200
+    url: str,
+    n: int,
+    seed: int = 1,
+    concurrency: int = 16,
+    quiet: int = 200,
+    benign: bool = False,
+    rate_per_s: float = 0.0,
 ) -> FuzzResult:
-    """Fuzz the gateway at `url` (see the module docstring); it must serve `Models()`."""
-    r = asyncio.run(_run(url, n, seed, concurrency, quiet))
+    """Fuzz the gateway at `url` (see the module docstring); it must serve `Models()`.
+    `benign`: flood with well-formed requests instead (`benign_requests`, the control).
+    `rate_per_s`: pace the flood (0: as fast as the connections go)."""
+    r = asyncio.run(_run(url, n, seed, concurrency, quiet, benign, rate_per_s))
+    r.rate_per_s, r.benign = rate_per_s, benign
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=10.0) as resp:
             r.alive = resp.status == 200
@@ -274,19 +316,25 @@ def running_gateway(work: Path, model_dir: Path) -> Iterator[str]:
 def table(results: list[FuzzResult]) -> str:
     """The benchmark table, one row per run."""
     head = (
-        "| run | hostile | 5xx | unanswered | well-formed failed | quiet p50/p99 ms | "
-        "fuzz p50/p99 ms | p99 ratio | loop lag p99 | RSS MiB before/after | fds before/after |"
+        "| run | flood | rate /s (achieved) | 5xx | unanswered | well-formed failed | "
+        "quiet p50/p99 ms | fuzz p50/p99 ms | p99 ratio | loop lag p99 | "
+        "RSS MiB before/after | fds before/after | "
+        "CPU s client/gateway | s |"
     )
-    rows = [head, "|" + "---|" * 11]
+    rows = [head, "|" + "---|" * 14]
     for i, r in enumerate(results, 1):
-        q50, q99 = _pct(r.quiet_latency_s, 0.5), _pct(r.quiet_latency_s, 0.99)
-        f50, f99 = _pct(r.fuzz_latency_s, 0.5), _pct(r.fuzz_latency_s, 0.99)
+        q50, q99 = percentile(r.quiet_latency_s, 50), percentile(r.quiet_latency_s, 99)
+        f50, f99 = percentile(r.fuzz_latency_s, 50), percentile(r.fuzz_latency_s, 99)
+        achieved = r.sent / r.duration_s if r.duration_s > 0 else 0.0
+        pace = f"{achieved:.0f}" if r.rate_per_s <= 0 else f"{r.rate_per_s:g} ({achieved:.0f})"
         rows.append(
-            f"| {i} | {r.sent} | {len(r.server_errors)} | {sum(r.unanswered.values())} | "
+            f"| {i} | {r.sent} {'benign' if r.benign else 'hostile'} | {pace} | "
+            f"{len(r.server_errors)} | {sum(r.unanswered.values())} | "
             f"{len(r.well_formed_failures)} | {q50 * 1e3:.1f} / {q99 * 1e3:.1f} | "
             f"{f50 * 1e3:.1f} / {f99 * 1e3:.1f} | {f99 / q99:.2f} | <= {r.lag_p99_s * 1e3:g} ms | "
             f"{r.rss_before / 2**20:.0f} / {r.rss_after / 2**20:.0f} | "
-            f"{r.fds_before:.0f} / {r.fds_after:.0f} |"
+            f"{r.fds_before:.0f} / {r.fds_after:.0f} | "
+            f"{r.client_cpu_s:.0f} / {r.gateway_cpu_s:.0f} | {r.duration_s:.0f} |"
         )
     return "\n".join(rows)
 
@@ -297,6 +345,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the first run (+1 per run)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--quiet", type=int, default=200, help="quiet well-formed requests")
+    parser.add_argument(
+        "--benign",
+        action="store_true",
+        help="control run: flood with well-formed requests (same count and connections)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="after each hostile run, the same run with the benign flood (side by side)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="flood paces to run, requests/s (0: as fast as the connections go)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,7 +371,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="sal-fuzz-") as tmp:
         work = Path(tmp)
         model_dir = tiny_model.build(work / "tiny-llama")
-        for i in range(args.runs):
+        kinds = [True, False] if args.control else [args.benign]
+        cells = [(rate, i, b) for rate in args.rates for i in range(args.runs) for b in kinds]
+        for rate, i, benign in cells:
             with running_gateway(work, model_dir) as url:
                 singles = single_request_lags(url)
                 print(
@@ -314,14 +381,18 @@ def run(args: argparse.Namespace) -> int:
                     + ", ".join(f"{k}: <= {v * 1e3:g} ms" for k, v in singles.items()),
                     flush=True,
                 )
-                r = run_fuzz(url, args.requests, args.seed + i, args.concurrency, args.quiet)
+                r = run_fuzz(
+                    url, args.requests, args.seed + i, args.concurrency, args.quiet, benign, rate
+                )
             results.append(r)
             if r.server_errors:
                 print(f"5xx: {r.server_errors[:20]}")
                 log = (work / "gateway.log").read_text(errors="replace")
                 print("\n".join(x for x in log.splitlines() if "ERROR" in x or "Error" in x))
             print(
-                f"run {i + 1}: {r.sent} hostile in {r.duration_s:.0f} s, statuses "
+                f"run {i + 1}: load average (1/5/15 min) at its end "
+                f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+                f"{r.sent} hostile in {r.duration_s:.0f} s, statuses "
                 f"{dict(sorted(r.by_status.items()))}, unanswered {dict(r.unanswered)}",
                 flush=True,
             )

@@ -38,14 +38,14 @@ from typing import Any
 
 import yaml
 
-from bench.decision_timing import time_all_policies
+from bench.decision_timing import time_all_policies, time_prefix_tracking
 from bench.gateway_report import print_report
 from bench.loadgen import LoadResult
 from bench.processes import PortAllocator, ServerGroup, wait_http_ok
 from bench.proxy_stacks import STACKS
-from bench.tables import percentile
 from bench.tokenize_timing import time_tokenization
-from sal_gateway.policies import POLICIES
+from sal_core.percentile import percentile
+from sal_core.policies import POLICIES
 
 FAST_MODEL = "tiny"
 PACED_MODEL = "tiny-paced"
@@ -198,10 +198,10 @@ def _ms(values: list[float], q: float) -> float:
 def _latency_row(c: int, direct: LoadResult, via: LoadResult) -> dict[str, Any]:
     row: dict[str, Any] = {"concurrency": c}
     for name, result in (("direct", direct), ("gateway", via)):
-        row[f"{name}_p50_ms"] = _ms(result.latency_s, 0.5)
-        row[f"{name}_p99_ms"] = _ms(result.latency_s, 0.99)
-        row[f"{name}_ttft_p50_ms"] = _ms(result.ttft_s, 0.5)
-        row[f"{name}_ttft_p99_ms"] = _ms(result.ttft_s, 0.99)
+        row[f"{name}_p50_ms"] = _ms(result.latency_s, 50)
+        row[f"{name}_p99_ms"] = _ms(result.latency_s, 99)
+        row[f"{name}_ttft_p50_ms"] = _ms(result.ttft_s, 50)
+        row[f"{name}_ttft_p99_ms"] = _ms(result.ttft_s, 99)
         row[f"{name}_req_per_s"] = result.requests_per_s
         row[f"{name}_events_per_s"] = result.events_per_s
     for stat in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
@@ -252,8 +252,8 @@ def bench_throughput(ep: Endpoints, sizing: Sizing, concurrency: int = 50) -> di
         "concurrency": concurrency,
         "direct_req_per_s": direct.requests_per_s,
         "gateway_req_per_s": via.requests_per_s,
-        "gateway_p50_ms": _ms(via.latency_s, 0.5),
-        "gateway_p99_ms": _ms(via.latency_s, 0.99),
+        "gateway_p50_ms": _ms(via.latency_s, 50),
+        "gateway_p99_ms": _ms(via.latency_s, 99),
         "errors": direct.errors + via.errors,
     }
 
@@ -294,12 +294,12 @@ def bench_tokenize_stall(ep: Endpoints, sizing: Sizing) -> dict[str, Any]:
         "small_concurrency": STALL_SMALL_CONCURRENCY,
         "long_concurrency": STALL_LONG_CONCURRENCY,
         "long_prompt_words": STALL_PROMPT_WORDS,
-        "alone_p50_ms": _ms(alone.latency_s, 0.5),
-        "alone_p99_ms": _ms(alone.latency_s, 0.99),
-        "with_long_p50_ms": _ms(with_long.latency_s, 0.5),
-        "with_long_p99_ms": _ms(with_long.latency_s, 0.99),
+        "alone_p50_ms": _ms(alone.latency_s, 50),
+        "alone_p99_ms": _ms(alone.latency_s, 99),
+        "with_long_p50_ms": _ms(with_long.latency_s, 50),
+        "with_long_p99_ms": _ms(with_long.latency_s, 99),
         "long_req_per_s": long.requests_per_s,
-        "long_p50_ms": _ms(long.latency_s, 0.5),
+        "long_p50_ms": _ms(long.latency_s, 50),
         "errors": alone.errors + with_long.errors + long.errors,
         "error_sample": alone.error_sample or with_long.error_sample or long.error_sample,
     }
@@ -319,8 +319,8 @@ def bench_stacks(ep: Endpoints, sizing: Sizing, concurrency: int = 200) -> list[
             {
                 "stack": name,
                 "req_per_s": result.requests_per_s,
-                "p50_ms": _ms(result.latency_s, 0.5),
-                "p99_ms": _ms(result.latency_s, 0.99),
+                "p50_ms": _ms(result.latency_s, 50),
+                "p99_ms": _ms(result.latency_s, 99),
                 "errors": result.errors,
             }
         )
@@ -374,6 +374,8 @@ def run_all(
             progress.step("client stacks")
         report["decisions"] = [asdict(r) for r in time_all_policies(64, sizing.decision_calls)]
         progress.step("routing decisions")
+        report["prefix_costs"] = [asdict(r) for r in time_prefix_tracking()]
+        progress.step("prefix cache cost")
         report["tokenization"] = [
             asdict(r) for r in time_tokenization(model_dir, sizing.tokenize_reps)
         ]

@@ -141,6 +141,14 @@ def print_report(report: dict[str, Any]) -> None:
             ],
         )
     )
+    if report.get("prefix_costs"):
+        print("\n## Prefix cache cost per request, 64 replicas, 8k-token prompt (microseconds)\n")
+        print(
+            format_table(
+                ["step", "p50 us", "p99 us"],
+                [[r["step"], r["p50_us"], r["p99_us"]] for r in report["prefix_costs"]],
+            )
+        )
     print("\n## Tokenization (gateway tokenizer module, tiny model; per request)\n")
     print(
         format_table(

@@ -1,16 +1,23 @@
-"""LARRY vs FCFS on one real vLLM-on-CPU replica, replaying a slice of the Azure chat trace.
+"""FCFS vs LARRY vs the tail-guarded LARRY on one real vLLM-on-CPU replica (Azure chat trace).
 
 For each scheduler in turn, starts one replica (``sal-engine serve``, identical settings
-except ``--sal-scheduler``), replays the same requests with the trace's own inter-arrival
-times divided by ``--load-factor``, and prints TTFT (p50/p95/p99), normalized TTFT (TTFT per
-prompt token), total generation time, preemptions (vLLM's own ``vllm:num_preemptions``
-counter) and the latency of ``GET /stats`` polled at 10 Hz during the run. Prompts are random
-token IDs whose lengths are the trace's, scaled so the longest fits the tiny model's context;
-outputs are forced to the trace's length (capped) with ``ignore_eos`` + ``max_tokens``.
+except the scheduler), replays ``--runs`` slices of the trace (run ``i``: rows
+``start_row + i * requests`` on) with the trace's own inter-arrival times divided by
+``--load-factor``, waiting for the replica to be idle between slices, and prints per
+scheduler the median (min-max over the runs) of TTFT (p50/p95/p99/max), normalized TTFT
+(TTFT per prompt token), total generation time, preemptions (vLLM's own
+``vllm:num_preemptions`` counter) and the latency of ``GET /stats`` polled at 10 Hz, plus
+every scheduler's per-run ratios to FCFS on the same slice. Prompts are random token IDs
+whose lengths are the trace's, scaled so the longest fits the tiny model's context; outputs
+are forced to the trace's length (capped) with ``ignore_eos`` + ``max_tokens``.
 
-    python -m bench.larry_vllm_bench [--trace PATH] [--requests 80] [--load-factor 1.0]
+Schedulers: ``fcfs`` (vLLM's order + /stats), ``fcfs+headroom`` (the same with vLLM's
+``--watermark`` set to ``--headroom``), ``larry`` (the paper's, ``--alpha``), ``larry_tail``
+(the tail guard, its ``headroom`` set to ``--headroom``), ``stock``.
 
-Takes ~4-5 minutes on 2 CPU cores (most of it starting the two replicas).
+    python -m bench.larry_vllm_bench [--trace PATH] [--requests 80] [--runs 3] [--load-factor 1.0]
+
+Takes ~4 minutes per scheduler on 2 CPU cores (a replica start plus three replays).
 """
 
 from __future__ import annotations
@@ -34,8 +41,11 @@ import httpx
 
 from engine_patch import tiny_model
 from engine_patch.replica import LocalReplica, replica_command
+from engine_sim.data import AZURE_CHAT, data_dir, missing_message
+from sal_core.percentile import percentile
 
-DEFAULT_TRACE = Path("../shared/data/AzureLLMInferenceTrace_conv.csv")
+DEFAULT_TRACE = data_dir() / AZURE_CHAT
+"""The chat trace in the repository's ``data/`` (``engine_sim.data``)."""
 SERVED_NAME = "tiny"
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 
@@ -51,9 +61,10 @@ class TraceRequest:
 
 @dataclass
 class RunResult:
-    """Raw per-request samples of one scheduler's run."""
+    """Raw per-request samples of one scheduler's run over one slice."""
 
     scheduler: str
+    run: int = 0
     ttft_s: list[float] = field(default_factory=list)
     norm_ttft_s_per_token: list[float] = field(default_factory=list)
     generation_s: list[float] = field(default_factory=list)
@@ -97,17 +108,6 @@ def load_trace_slice(
         )
         for stamp, prompt, output in rows
     ]
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """The `q`-th percentile (0-100), linear interpolation; NaN for no samples."""
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 async def _one_request(
@@ -162,9 +162,26 @@ async def _preemptions(client: httpx.AsyncClient, url: str) -> int:
     return int(sum(float(v) for v in _PREEMPTIONS.findall(text)))
 
 
-async def replay(url: str, requests: Sequence[TraceRequest], scheduler: str) -> RunResult:
+async def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Until the replica's `/stats` shows nothing waiting or running (between slices)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                body = (await client.get(f"{url}/stats")).json()
+                if body.get("num_waiting") == 0 and body.get("num_running") == 0:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{url} still busy after {timeout_s} s")
+
+
+async def replay(
+    url: str, requests: Sequence[TraceRequest], scheduler: str, run: int = 0
+) -> RunResult:
     """Send every request at its time (open loop) and collect the samples."""
-    result = RunResult(scheduler)
+    result = RunResult(scheduler, run)
     limits = httpx.Limits(max_connections=len(requests) + 4)
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -189,38 +206,39 @@ async def replay(url: str, requests: Sequence[TraceRequest], scheduler: str) -> 
     return result
 
 
-def summary_rows(results: Sequence[RunResult]) -> list[tuple[str, ...]]:
-    """Table rows (metric, one column per scheduler) for `format_table`."""
-    rows: list[tuple[str, ...]] = []
-
-    def add(label: str, values: list[float], fmt: str) -> None:
-        rows.append((label, *(fmt.format(v) for v in values)))
-
-    for q in (50, 95, 99):
-        add(f"TTFT p{q} (s)", [percentile(r.ttft_s, q) for r in results], "{:.3f}")
-    for q in (50, 95, 99):
-        add(
-            f"normalized TTFT p{q} (ms/token)",
-            [1000 * percentile(r.norm_ttft_s_per_token, q) for r in results],
-            "{:.3f}",
-        )
-    for q in (50, 95, 99):
-        add(f"generation time p{q} (s)", [percentile(r.generation_s, q) for r in results], "{:.3f}")
-    add(
-        "mean generation time (s)",
-        [statistics.fmean(r.generation_s or [0]) for r in results],
-        "{:.3f}",
-    )
-    add("preemptions", [float(r.preemptions) for r in results], "{:.0f}")
-    add("errors", [float(r.errors) for r in results], "{:.0f}")
-    add("replay wall time (s)", [r.wall_s for r in results], "{:.1f}")
+def _metrics(r: RunResult) -> dict[str, float]:
+    """One run's headline numbers (seconds, ms per token for normalized TTFT)."""
+    out: dict[str, float] = {}
+    for q in (50, 95, 99, 100):
+        name = "max" if q == 100 else f"p{q}"
+        out[f"TTFT {name} (s)"] = percentile(r.ttft_s, q)
+    for q in (50, 95):
+        out[f"normalized TTFT p{q} (ms/token)"] = 1000 * percentile(r.norm_ttft_s_per_token, q)
     for q in (50, 99):
-        add(
-            f"/stats latency p{q} (ms)",
-            [1000 * percentile(r.stats_latency_s, q) for r in results],
-            "{:.2f}",
-        )
-    return rows
+        out[f"generation time p{q} (s)"] = percentile(r.generation_s, q)
+    out["preemptions"] = float(r.preemptions)
+    out["errors"] = float(r.errors)
+    out["replay wall time (s)"] = r.wall_s
+    for q in (50, 99):
+        out[f"/stats latency p{q} (ms)"] = 1000 * percentile(r.stats_latency_s, q)
+    return out
+
+
+def _spread(values: Sequence[float]) -> str:
+    vals = [v for v in values if v == v]
+    if not vals:
+        return "n/a"
+    med = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{med:.3g}"
+    return f"{med:.3g} ({min(vals):.3g}-{max(vals):.3g})"
+
+
+def summary_rows(results: Sequence[RunResult], schedulers: Sequence[str]) -> list[tuple[str, ...]]:
+    """Table rows: metric, then per scheduler the median (min-max) over its runs."""
+    per = {s: [_metrics(r) for r in results if r.scheduler == s] for s in schedulers}
+    names = list(_metrics(RunResult("x")).keys())
+    return [(name, *(_spread([m[name] for m in per[s]]) for s in schedulers)) for name in names]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -230,21 +248,23 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def _ratio_rows(results: Sequence[RunResult]) -> list[tuple[str, str]]:
-    by = {r.scheduler: r for r in results}
-    if not {"larry", "fcfs"} <= set(by):
+def ratio_rows(results: Sequence[RunResult], schedulers: Sequence[str]) -> list[tuple[str, ...]]:
+    """Per metric, per non-FCFS scheduler: scheduler / FCFS on the same slice, median
+    (min-max) over the runs (below 1: better than FCFS)."""
+    fcfs = {r.run: _metrics(r) for r in results if r.scheduler == "fcfs"}
+    others = [s for s in schedulers if s != "fcfs"]
+    if not fcfs or not others:
         return []
-    larry, fcfs = by["larry"], by["fcfs"]
     rows = []
-    for label, attr in (
-        ("TTFT", "ttft_s"),
-        ("normalized TTFT", "norm_ttft_s_per_token"),
-        ("generation time", "generation_s"),
-    ):
-        for q in (50, 95, 99):
-            lv = percentile(getattr(larry, attr), q)
-            fv = percentile(getattr(fcfs, attr), q)
-            rows.append((f"FCFS / LARRY {label} p{q}", f"{fv / lv:.2f}x" if lv else "n/a"))
+    for name in ("TTFT p50 (s)", "TTFT p95 (s)", "TTFT p99 (s)", "TTFT max (s)"):
+        cells = []
+        for s in others:
+            vals = []
+            for r in results:
+                if r.scheduler == s and r.run in fcfs and fcfs[r.run][name] > 0:
+                    vals.append(_metrics(r)[name] / fcfs[r.run][name])
+            cells.append(_spread(vals))
+        rows.append((name.replace(" (s)", ""), *cells))
     return rows
 
 
@@ -253,7 +273,7 @@ def stats_handler_cost_s(iterations: int = 20000) -> list[float]:
     the middleware adds to an API server, without HTTP or event-loop queueing."""
     from engine_patch.snapshot import SnapshotRecord, SnapshotWriter, snapshot_path
     from engine_patch.stats_route import SnapshotSource
-    from sal_gateway.stats import ReplicaStats
+    from sal_core.stats import ReplicaStats
 
     with tempfile.TemporaryDirectory(prefix="stats-cost-") as tmp:
         prefix = str(Path(tmp) / "s")
@@ -285,6 +305,25 @@ def stats_handler_cost_s(iterations: int = 20000) -> list[float]:
     return samples
 
 
+BENCH_SCHEDULERS = {
+    "fcfs": "fcfs",
+    "fcfs+headroom": "fcfs",
+    "larry": "larry",
+    "larry_tail": "larry_tail",
+    "stock": "stock",
+}
+"""Benchmark scheduler names -> the launcher's ``--sal-scheduler``."""
+
+
+def _scheduler_args(name: str, headroom: float) -> list[str]:
+    """Extra replica arguments of one benchmark scheduler (the headroom settings)."""
+    if name == "fcfs+headroom":
+        return ["--watermark", repr(headroom)]
+    if name == "larry_tail":
+        return ["--additional-config", json.dumps({"larry_tail": {"headroom": headroom}})]
+    return []
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -298,7 +337,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=1536)
     parser.add_argument("--max-output-tokens", type=int, default=48)
-    parser.add_argument("--schedulers", default="larry,fcfs")
+    parser.add_argument("--runs", type=int, default=3, help="trace slices per scheduler (3)")
+    parser.add_argument("--schedulers", default="fcfs,fcfs+headroom,larry,larry_tail")
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=0.05,
+        help="KV headroom of fcfs+headroom (--watermark) and larry_tail (0.05: 2 of the 49 "
+        "blocks; vLLM rounds down, so the default 0.02 would keep none here)",
+    )
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=20100)
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -316,6 +363,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.trace.is_file():
+        print(f"larry_vllm_bench: error: {missing_message(args.trace, '--trace')}", file=sys.stderr)
+        return 2
     requests = load_trace_slice(
         args.trace,
         start_row=args.start_row,
@@ -335,6 +385,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(args.max_num_batched_tokens),
     ]
     schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
+    bad = [s for s in schedulers if s not in BENCH_SCHEDULERS]
+    if bad or args.runs < 1:
+        print(
+            f"larry_vllm_bench: error: --schedulers among {', '.join(BENCH_SCHEDULERS)}, "
+            f"--runs >= 1 (got {args.schedulers!r}, {args.runs})",
+            file=sys.stderr,
+        )
+        return 2
+    slices = [
+        load_trace_slice(
+            args.trace,
+            start_row=args.start_row + i * args.requests,
+            count=args.requests,
+            load_factor=args.load_factor,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
+        )
+        for i in range(args.runs)
+    ]
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="larry-bench-") as tmp:
         model_dir = args.model_dir or tiny_model.build(Path(tmp) / "tiny")
@@ -342,26 +411,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = replica_command(
                 model_dir,
                 args.port + i,
-                scheduler=scheduler,
+                scheduler=BENCH_SCHEDULERS[scheduler],
                 alpha=args.alpha,
-                extra_args=replica_args,
+                extra_args=[*replica_args, *_scheduler_args(scheduler, args.headroom)],
             )
             print(f"starting {scheduler} replica ...", file=sys.stderr, flush=True)
             with LocalReplica(command, args.port + i) as replica:
-                results.append(asyncio.run(replay(replica.base_url, requests, scheduler)))
-            print(f"{scheduler}: done", file=sys.stderr, flush=True)
-    prompts = [r.prompt_tokens for r in requests]
+                for run, requests in enumerate(slices):
+                    asyncio.run(wait_idle(replica.base_url))
+                    result = asyncio.run(replay(replica.base_url, requests, scheduler, run))
+                    results.append(result)
+                    print(f"{scheduler} run {run}: done", file=sys.stderr, flush=True)
+    prompts = [r.prompt_tokens for sl in slices for r in sl]
     print(
-        f"\n{len(requests)} requests from {args.trace.name} rows {args.start_row}.."
-        f"{args.start_row + len(requests) - 1}, load factor {args.load_factor}, prompts "
-        f"{min(prompts)}-{max(prompts)} tokens (mean {statistics.fmean(prompts):.0f}), outputs "
-        f"<= {args.max_output_tokens}; replica: {' '.join(replica_args[2:])}\n"
+        f"\n{args.runs} x {args.requests} requests from {args.trace.name} rows "
+        f"{args.start_row}..{args.start_row + args.runs * args.requests - 1}, load factor "
+        f"{args.load_factor}, prompts {min(prompts)}-{max(prompts)} tokens (mean "
+        f"{statistics.fmean(prompts):.0f}), outputs <= {args.max_output_tokens}; replica: "
+        f"{' '.join(replica_args[2:])}; headroom {args.headroom:g}\n"
     )
-    print(format_table(["metric", *schedulers], summary_rows(results)))
-    ratios = _ratio_rows(results)
+    print("Median (min-max) over the runs:\n")
+    print(format_table(["metric", *schedulers], summary_rows(results, schedulers)))
+    ratios = ratio_rows(results, schedulers)
     if ratios:
-        print()
-        print(format_table(["ratio (>1: LARRY better)", "value"], ratios))
+        print("\nScheduler / FCFS on the same slice, median (min-max) over the runs:\n")
+        others = [s for s in schedulers if s != "fcfs"]
+        print(format_table(["ratio (< 1: better than FCFS)", *others], ratios))
     cost = stats_handler_cost_s()
     print(
         f"\n/stats handler cost (snapshot read + JSON, no HTTP): p50 "

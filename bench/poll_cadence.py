@@ -46,7 +46,7 @@ from bench.gateway_bench import (
     running_servers,
     settle,
 )
-from bench.tables import percentile
+from sal_core.percentile import percentile
 
 SCRAPE_EVERY_S = 0.1
 STALE_AFTER_S = 1.0
@@ -185,8 +185,8 @@ def run_cell(
         "scrapes": sampler.scrapes,
         "failed_scrapes": sampler.failed_scrapes,
         "not_eligible_scrapes": sampler.unhealthy.get(model, 0),
-        "state_age_p50_ms": percentile(ages, 0.5) * 1e3 if ages else math.nan,
-        "state_age_p99_ms": percentile(ages, 0.99) * 1e3 if ages else math.nan,
+        "state_age_p50_ms": percentile(ages, 50) * 1e3 if ages else math.nan,
+        "state_age_p99_ms": percentile(ages, 99) * 1e3 if ages else math.nan,
         "state_age_max_ms": max(ages) * 1e3 if ages else math.nan,
         "error_sample": result.error_sample[:200],
     }

@@ -31,6 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine_sim.data import AZURE_CHAT, data_dir, missing_message
+from sal_core.percentile import percentile
+
 HELP = "run one workload through the real gateway + emulators and the simulator; compare"
 
 MODEL_NAME = "sim"
@@ -53,8 +56,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         type=Path,
-        default=Path("../shared/data/AzureLLMInferenceTrace_conv.csv"),
-        help="Azure trace CSV (chat)",
+        default=data_dir() / AZURE_CHAT,
+        help="Azure trace CSV (chat; the repository's data/)",
     )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--profile", default="llama3-8b-a100")
@@ -68,12 +71,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write real_path.md here")
-
-
-def _percentiles(values: Sequence[float]) -> tuple[float, float]:
-    from engine_sim.results import percentile
-
-    return percentile(values, 50), percentile(values, 95)
+    parser.add_argument(
+        "--gateways",
+        default=None,
+        help="comma list of K: run K gateway processes (listen.workers) per router instead "
+        "(bench.real_gateways; writes real_gateways.md)",
+    )
 
 
 async def _one_request(
@@ -169,10 +172,17 @@ async def _real_run(requests: Sequence[Any], args: argparse.Namespace, router: s
                 await asyncio.wait_for(task, timeout=10.0)
     ok = [r for r in results if not isinstance(r, str)]
     failures = Counter(r for r in results if isinstance(r, str))
-    ttft = _percentiles([r[0] for r in ok])
-    tgt = _percentiles([r[1] for r in ok])
+    ttft = [r[0] for r in ok]
+    tgt = [r[1] for r in ok]
     reasons = ", ".join(f"{reason} x{count}" for reason, count in sorted(failures.items()))
-    return PathResult(ttft[0], ttft[1], tgt[0], tgt[1], len(results) - len(ok), reasons)
+    return PathResult(
+        percentile(ttft, 50),
+        percentile(ttft, 95),
+        percentile(tgt, 50),
+        percentile(tgt, 95),
+        len(results) - len(ok),
+        reasons,
+    )
 
 
 def _sim_run(requests: Sequence[Any], args: argparse.Namespace, router: str) -> PathResult:
@@ -254,6 +264,10 @@ def render(
 def run(args: argparse.Namespace) -> int:
     from engine_sim.trace import load_azure_csv, scale_load
 
+    if not args.trace.is_file():
+        missing = missing_message(args.trace, "--trace")
+        print(f"sal-bench real-path: error: {missing}", file=sys.stderr)
+        return 2
     try:
         reqs = load_azure_csv(args.trace, context_limit_tokens=8192, duration_s=args.duration_s)
     except (OSError, ValueError) as exc:
@@ -261,6 +275,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     reqs = [replace(r, output_tokens=min(r.output_tokens, args.max_output)) for r in reqs]
     reqs = scale_load(reqs, args.load_factor)
+    if args.gateways:
+        from bench import real_gateways
+
+        return real_gateways.run(args, reqs)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     real: dict[str, PathResult] = {}
     sim: dict[str, PathResult] = {}

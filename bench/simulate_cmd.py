@@ -1,6 +1,6 @@
 """``sal-bench simulate``: replay one trace through a simulated fleet and print the numbers.
 
-    sal-bench simulate --trace PATH --replicas N --router NAME --scheduler NAME \\
+    sal-bench simulate [--trace PATH] --replicas N --router NAME --scheduler NAME \\
         --load-factor F --profile NAME [--alpha A] [--duration-s S] [--seed N] [--json]
 """
 
@@ -20,10 +20,16 @@ _PROGRESS_MIN_REQUESTS = 2000
 def configure(parser: argparse.ArgumentParser) -> None:
     from bench.workload import ARRIVALS
     from engine_sim.cost_model import PROFILES
+    from engine_sim.data import AZURE_CHAT, data_dir
     from engine_sim.schedulers import ENGINE_SCHEDULERS
-    from sal_gateway.policies import POLICIES
+    from sal_core.policies import POLICIES
 
-    parser.add_argument("--trace", type=Path, required=True, help="Azure LLM trace CSV")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=data_dir() / AZURE_CHAT,
+        help=f"Azure LLM trace CSV (the chat trace in the repository's data/: {AZURE_CHAT})",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="number of replicas (1)")
     parser.add_argument("--router", choices=sorted(POLICIES), default="sal", help="(sal)")
     parser.add_argument(
@@ -51,9 +57,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from bench.progress import ProgressBar
     from bench.workload import WorkloadSpec, build_requests
+    from engine_sim.data import missing_message
     from engine_sim.simulator import RouterConfig, SimulationError, simulate
     from engine_sim.trace import TraceError
 
+    for option, path in (("--trace", args.trace), ("--timestamps-from", args.timestamps_from)):
+        if path is not None and not path.is_file():
+            print(f"sal-bench simulate: error: {missing_message(path, option)}", file=sys.stderr)
+            return 2
     try:
         requests = build_requests(
             WorkloadSpec(

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.faultload import MetricKey, Outcome, metric_sum
-from bench.tables import format_table, percentile
+from bench.tables import format_table
+from sal_core.percentile import percentile
 
 ROW_HEADERS = (
     "minute", "ok", "err_event", "http_err", "lost", "dup", "p50_s", "p99_s",
@@ -104,8 +105,8 @@ def period_row(
         http_error=kinds["http_error"],
         lost=kinds["lost"],
         duplicated=kinds["duplicated"],
-        p50_s=percentile(good, 0.5),
-        p99_s=percentile(good, 0.99),
+        p50_s=percentile(good, 50),
+        p99_s=percentile(good, 99),
         rss_mib=rss / 2**20,
         fds=fds,
         tasks=metric_sum(end, "sal_event_loop_tasks") if has_tasks else math.nan,

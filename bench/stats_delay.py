@@ -1,6 +1,6 @@
 """SAL with a realistic ``/stats`` delay, before and after the accounting fix (issue 8).
 
-    python -m bench.stats_delay --out docs/results/stats_delay.md [--data-dir ../shared/data]
+    python -m bench.stats_delay --out docs/results/stats_delay.md [--data-dir DIR]
 
 Every headline fleet number (`bench.experiments`) uses a stats delay of 0: a snapshot reaches
 the router the instant it is taken. Real polls take time: the snapshot is written, read by the
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.experiments import CHAT_CSV, CODE_CSV, _run_one, base_load
+from engine_sim.data import data_dir
 
 FLEETS = (("llama3-8b-a100", 8), ("llama3-70b-fp8-h100x2", 4))
 LOADS_X = (1.0, 2.0)
@@ -182,7 +183,7 @@ def report(rows: list[Row], wall_s: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stats_delay", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("docs/results/stats_delay.md"))
-    parser.add_argument("--data-dir", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--data-dir", type=Path, default=data_dir(), help="(data/)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     rows = run(args.data_dir, lambda msg: print(msg, file=sys.stderr, flush=True))

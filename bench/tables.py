@@ -1,17 +1,8 @@
-"""Percentiles and plain-text tables for the benchmark printouts (pure, no I/O)."""
+"""Plain-text tables for the benchmark printouts (pure, no I/O)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of ``values`` for ``q`` in [0, 1]; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.tables import percentile
+from sal_core.percentile import percentile
 from sal_gateway.request_body import Endpoint, InboundRequest, parse_body
 from sal_gateway.tokenizer import PromptCounter, load_model_tokenizer
 
@@ -84,8 +84,8 @@ def _time(counter: PromptCounter, name: str, req: InboundRequest, reps: int) -> 
         name=name,
         tokens=tokens,
         reps=reps,
-        p50_ms=percentile(samples, 0.5) * 1e3,
-        p99_ms=percentile(samples, 0.99) * 1e3,
+        p50_ms=percentile(samples, 50) * 1e3,
+        p99_ms=percentile(samples, 99) * 1e3,
     )
 
 

@@ -18,6 +18,7 @@ FROM ${ENGINE_BASE_IMAGE}
 ARG PYTHON=python3
 
 COPY pyproject.toml README.md* /tmp/sal/
+COPY sal_core/ /tmp/sal/sal_core/
 COPY sal_gateway/ /tmp/sal/sal_gateway/
 COPY engine_patch/ /tmp/sal/engine_patch/
 COPY engine_sim/ /tmp/sal/engine_sim/

@@ -86,13 +86,16 @@ def replica_service(index: int, gpus_per_replica: int) -> dict[str, object]:
             "${MAX_MODEL_LEN:-8192}",
             "--gpu-memory-utilization",
             "${GPU_MEMORY_UTILIZATION:-0.90}",
-            # engine_patch's launcher options: larry | fcfs | stock (plain vLLM, no /stats).
+            # engine_patch's launcher options: larry_tail (the default: LARRY with the tail
+            # guard) | larry (the paper's) | fcfs | stock (plain vLLM, no /stats).
             "--sal-scheduler",
-            "${ENGINE_SCHEDULER:-larry}",
+            "${ENGINE_SCHEDULER:-larry_tail}",
             # Alpha travels in --additional-config (not --sal-alpha) so that switching
-            # ENGINE_SCHEDULER to fcfs needs no other change: fcfs ignores this section.
+            # ENGINE_SCHEDULER needs no other change: each LARRY reads its own section, fcfs
+            # neither.
             "--additional-config",
-            '{"larry": {"alpha": ${LARRY_ALPHA:-1.0}}}',
+            '{"larry": {"alpha": ${LARRY_ALPHA:-1.0}}, '
+            '"larry_tail": {"alpha": ${LARRY_ALPHA:-1.0}}}',
         ],
         "environment": {
             "HF_TOKEN": "${HF_TOKEN:-}",

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine_patch.snapshot import SnapshotRecord
-from sal_gateway.stats import ReplicaStats
+from sal_core.stats import ReplicaStats
 
 
 def combine_ranks(records: Sequence[SnapshotRecord]) -> ReplicaStats:
@@ -34,6 +34,9 @@ def combine_ranks(records: Sequence[SnapshotRecord]) -> ReplicaStats:
         kv_blocks_free=sum(s.kv_blocks_free for s in stats),
         free_kv_tokens=sum(s.free_kv_tokens for s in stats),
         queued_prefill_tokens=sum(s.queued_prefill_tokens for s in stats),
+        cached_prefill_tokens=sum(s.cached_prefill_tokens for s in stats),
+        prefix_cache_query_tokens=sum(s.prefix_cache_query_tokens for s in stats),
+        prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in stats),
         num_waiting=sum(s.num_waiting for s in stats),
         num_running=sum(s.num_running for s in stats),
         max_num_batched_tokens=sum(s.max_num_batched_tokens for s in stats),

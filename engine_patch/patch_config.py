@@ -1,7 +1,9 @@
 """The patch's settings as vLLM hands them to the scheduler (pure parsing, no vLLM import).
 
 LARRY's parameters travel in ``--additional-config '{"larry": {"alpha": 1.0}}'``
-(``vllm_config.additional_config``); the snapshot location travels in the environment
+(``vllm_config.additional_config``), the tail-guarded LARRY's in
+``'{"larry_tail": {"slack": 1.0, "margin_s": 1.0, "headroom": 0.02, ...}}'`` (every field of
+`sal_core.larry_tail.TailParams`); the snapshot location travels in the environment
 (`STATS_PREFIX_ENV`), because the API-server processes that read it never see the engine
 config. The launcher sets both.
 """
@@ -14,9 +16,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine_patch.larry import LarryParams
+from sal_core.larry import LarryParams
+from sal_core.larry_tail import TailParams
 
 LARRY_CONFIG_KEY = "larry"
+LARRY_TAIL_CONFIG_KEY = "larry_tail"
+LARRY_TAIL_KEYS: dict[str, type] = {
+    "alpha": float,
+    "pin": str,
+    "slack": float,
+    "margin_s": float,
+    "headroom": float,
+    "rate_window_s": float,
+    "memory_s": float,
+}
+"""The keys of ``additional_config.larry_tail`` and their types (`TailParams`' fields)."""
 STATS_PREFIX_ENV = "SAL_STATS_PREFIX"
 """Path prefix of the snapshot files (``{prefix}.dp{rank}``); shared by engine and API side."""
 DEFAULT_STATS_BASENAME = "sal-stats"
@@ -55,6 +69,39 @@ def larry_params(additional_config: Mapping[str, Any] | None) -> LarryParams:
         return LarryParams(alpha=float(alpha))
     except ValueError as exc:
         raise PatchConfigError(str(exc)) from exc
+
+
+def larry_tail_params(additional_config: Mapping[str, Any] | None) -> TailParams:
+    """`TailParams` from vLLM's ``additional_config`` (defaults when absent).
+
+    Unknown keys under ``larry_tail`` and values of the wrong type or range are rejected
+    with `PatchConfigError` naming the key.
+    """
+    key = LARRY_TAIL_CONFIG_KEY
+    section = (additional_config or {}).get(key, {})
+    if not isinstance(section, Mapping):
+        raise PatchConfigError(f"additional_config.{key} must be an object, got {section!r}")
+    known = ", ".join(LARRY_TAIL_KEYS)
+    values: dict[str, Any] = {}
+    for name, value in section.items():
+        kind = LARRY_TAIL_KEYS.get(name)
+        if kind is None:
+            raise PatchConfigError(f"unknown key additional_config.{key}.{name} (known: {known})")
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise PatchConfigError(
+                    f"additional_config.{key}.{name} must be a number, got {value!r}"
+                )
+            value = float(value)
+        elif not isinstance(value, str):
+            raise PatchConfigError(
+                f"additional_config.{key}.{name} must be a string, got {value!r}"
+            )
+        values[name] = value
+    try:
+        return TailParams(**values)
+    except ValueError as exc:
+        raise PatchConfigError(f"additional_config.{key}: {exc}") from exc
 
 
 def default_stats_dir() -> Path:

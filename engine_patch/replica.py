@@ -52,7 +52,7 @@ CPU_ENV: dict[str, str] = {
 }
 
 STOP_GRACE_S = 20.0
-SCHEDULERS = ("larry", "fcfs", "stock")
+SCHEDULERS = ("larry", "larry_tail", "fcfs", "stock")
 
 
 class ReplicaStartError(RuntimeError):
@@ -73,7 +73,7 @@ def replica_command(
         raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
     cmd = [sys.executable, "-m", "engine_patch.launcher", "serve", str(model_dir)]
     cmd += ["--sal-scheduler", scheduler]
-    if scheduler == "larry":
+    if scheduler in ("larry", "larry_tail"):
         cmd += ["--sal-alpha", repr(float(alpha))]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *base_args, *extra_args]
     return cmd

@@ -7,16 +7,23 @@ class                  order of the waiting queue                  vLLM scheduli
 =====================  ==========================================  ==========================
 `LarryScheduler`       LARRY score, recomputed every step          sync (CPU default)
 `LarryAsyncScheduler`  LARRY score, recomputed every step          async (GPU default)
+`LarryTailScheduler`   LARRY + tail guard (`sal_core.larry_tail`)  sync (CPU default)
+`LarryTailAsync...`    LARRY + tail guard                          async (GPU default)
 `FcfsScheduler`        vLLM's own FCFS (stats only)                sync
 `FcfsAsyncScheduler`   vLLM's own FCFS (stats only)                async
 =====================  ==========================================  ==========================
 
+(``LarryTail...`` is `LarryTailAsyncScheduler`.)
+
 How LARRY is wired in: at the start of every ``schedule()`` the waiting queue (vLLM's FCFS
-deque) is re-sorted in place by `engine_patch.larry.larry_order`; vLLM's own waiting scan
+deque) is re-sorted in place by `sal_core.larry.larry_order`; vLLM's own waiting scan
 then admits from the front and stops at the first request whose KV blocks cannot be
 allocated (or, without chunked prefill, whose prompt exceeds the remaining token budget) —
-exactly LARRY's "stop at the first request that does not fit". Requests vLLM preempts go
-back into the waiting queue and are rescored with the others at the next step. Running
+exactly LARRY's "stop at the first request that does not fit". LARRY's ``memory(r)`` counts
+the blocks of r's prompt that vLLM's prefix cache does not hold (`cached_prefix_tokens`, a
+lookup without side effects), and so does ``queued_prefill_tokens`` in `/stats`: a waiting
+request whose prompt is mostly cached needs little prefill and few new blocks. Requests vLLM
+preempts go back into the waiting queue and are rescored with the others at the next step. Running
 requests are never preempted by LARRY itself. Nothing in vLLM is edited or monkey-patched.
 
 After every step (``schedule()``, ``update_from_output()``, aborts) the scheduler writes its
@@ -38,10 +45,11 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from engine_patch import patch_config
-from engine_patch.larry import larry_order
 from engine_patch.snapshot import SnapshotRecord, SnapshotWriter, snapshot_path
 from engine_patch.versions import ensure_supported_vllm
-from sal_gateway.stats import ReplicaStats
+from sal_core.larry import larry_order
+from sal_core.larry_tail import TailGuard, headroom_blocks
+from sal_core.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +66,27 @@ def _served_model_name(vllm_config: Any) -> str:
 
 def _uncomputed_tokens(request: Any) -> int:
     return max(0, int(request.num_tokens) - int(request.num_computed_tokens))
+
+
+def cached_prefix_tokens(kv_cache_manager: Any, request: Any) -> int:
+    """Leading tokens of `request`'s prompt that vLLM's prefix cache holds now, as vLLM's
+    own admission would find them (`KVCacheManager.get_computed_blocks`), without its side
+    effects.
+
+    ``get_computed_blocks`` is the coordinator's ``find_longest_cache_hit`` (a walk of the
+    request's precomputed ``block_hashes`` through the block pool's hash-to-block map, plain
+    dict lookups) plus, in ``kv_cache_report_mode == "full"``, BlockStored events for the hit.
+    The hit statistics are recorded by the scheduler separately
+    (``record_prefix_cache_stats``) and the LRU order changes only when blocks are touched
+    (``allocate_slots``). Calling the coordinator directly therefore leaves the LRU order, the
+    hit counters and the event stream untouched. As vLLM does, the last prompt token is
+    never a hit (its logits must be computed)."""
+    if not kv_cache_manager.prefix_cache_lookup_enabled(request):
+        return 0
+    _, hit_tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(
+        request.block_hashes, int(request.num_tokens) - 1
+    )
+    return int(hit_tokens)
 
 
 class _SalSchedulerMixin:
@@ -93,6 +122,15 @@ class _SalSchedulerMixin:
         self.sal_alpha: float | None = None
         self._sal_step = 0
         self._sal_model = _served_model_name(self.vllm_config)
+        cache_config = self.vllm_config.cache_config
+        self._sal_prefix_caching = bool(self.kv_cache_manager.enable_caching)
+        self._sal_hash_algo: str | None = (
+            str(cache_config.prefix_caching_hash_algo) if self._sal_prefix_caching else None
+        )
+        self._sal_hit_tokens = 0
+        self._sal_query_tokens = 0
+        self._sal_cached: dict[str, int] = {}
+        """Request id -> cached prefix tokens found this step (`_sal_uncached_tokens`)."""
         parallel = self.vllm_config.parallel_config
         # data_parallel_index keeps the engine's DP rank even where vLLM reconfigures a
         # dense model's engines as independent DP=1 engines (data_parallel_rank = 0).
@@ -133,16 +171,42 @@ class _SalSchedulerMixin:
     def _sal_reorder(self) -> None:
         """Reorder the waiting queue before vLLM's scan (hook; FCFS keeps vLLM's order)."""
 
+    def _sal_uncached_tokens(self, request: Any) -> int:
+        """Prompt tokens `request` still has to prefill *and* that the prefix cache does not
+        hold: LARRY's memory term and the queued prefill tokens of `/stats`.
+
+        A waiting request's leading cached blocks need neither prefill nor new blocks when it
+        is admitted (vLLM touches them); a request that has started (chunked prefill, or
+        resumed) already counts its hit in ``num_computed_tokens``. Looked up at most once
+        per request and step (`cached_prefix_tokens`: O(hit blocks), no side effects)."""
+        computed = int(request.num_computed_tokens)
+        if not self._sal_prefix_caching or computed > 0:
+            return _uncomputed_tokens(request)
+        rid = str(request.request_id)
+        cached = self._sal_cached.get(rid)
+        if cached is None:
+            cached = cached_prefix_tokens(self.kv_cache_manager, request)
+            self._sal_cached[rid] = cached
+        return max(0, int(request.num_tokens) - cached)
+
     # vLLM entry points -------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._sal_cached.clear()  # the cache changed since the last step
         self._sal_reorder()
         output = cast(Any, super()).schedule(*args, **kwargs)
+        self._sal_cached.clear()  # admitted requests cached new blocks
         self._sal_step += 1
         self._sal_publish()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        # vLLM's prefix-cache counters of this step, read just before vLLM's own make_stats()
+        # hands them to its loggers and resets them (only with log stats on).
+        counters = self.kv_cache_manager.prefix_cache_stats
+        if counters is not None:
+            self._sal_hit_tokens += int(counters.hits)
+            self._sal_query_tokens += int(counters.queries)
         outputs = cast(Any, super()).update_from_output(*args, **kwargs)
         self._sal_publish()
         return outputs
@@ -168,7 +232,9 @@ class _SalSchedulerMixin:
         kv_total = int(pool.num_gpu_blocks) - 1
         kv_free = int(pool.get_num_free_blocks())
         waiting = list(itertools.chain(self.kv_holding_waiting, self.waiting))
-        queued = sum(_uncomputed_tokens(r) for r in waiting)
+        waiting_uncomputed = sum(_uncomputed_tokens(r) for r in waiting)
+        waiting_uncached = sum(self._sal_uncached_tokens(r) for r in waiting)
+        queued = waiting_uncached
         queued += sum(_uncomputed_tokens(r) for r in self.running if r.is_prefill_chunk)
         return ReplicaStats(
             time=self.sal_clock(),
@@ -185,6 +251,11 @@ class _SalSchedulerMixin:
             num_running=len(self.running),
             max_num_batched_tokens=int(self.max_num_scheduled_tokens),
             max_num_seqs=int(self.max_num_running_reqs),
+            prefix_caching=self._sal_prefix_caching,
+            prefix_hash_algo=self._sal_hash_algo,
+            cached_prefill_tokens=waiting_uncomputed - waiting_uncached,
+            prefix_cache_query_tokens=self._sal_query_tokens,
+            prefix_cache_hit_tokens=self._sal_hit_tokens,
         )
 
     def _sal_publish(self) -> None:
@@ -224,12 +295,101 @@ class _LarryMixin(_SalSchedulerMixin):
             alpha=alpha,
             block_size=int(self.block_size),
             arrival_s=lambda r: float(r.arrival_time),
-            uncomputed_tokens=_uncomputed_tokens,
+            uncomputed_tokens=self._sal_uncached_tokens,
             request_id=lambda r: str(r.request_id),
         )
         # In place: vLLM holds no other reference to the deque's order.
         queue.clear()
         queue.extend(ordered)
+
+
+class _LarryTailMixin(_SalSchedulerMixin):
+    """LARRY with the tail guard: pins requests whose FCFS wait is due, keeps KV headroom.
+
+    Per ``schedule()``: the previous step is fed to the guard's drain-rate estimate (wall
+    time since the previous call, the prefill tokens it scheduled, whether a request was
+    waiting), then the waiting queue is re-sorted in place by `TailGuard.order`. The
+    headroom is vLLM's own admission watermark (``--watermark``, `KVCacheManager`'s
+    ``watermark_blocks``: blocks a waiting or preempted request must leave free while
+    others run), raised to ``larry_tail.headroom`` when that is larger.
+    """
+
+    sal_scheduler_name: ClassVar[str] = "larry_tail"
+
+    def _sal_configure(self) -> None:
+        params = patch_config.larry_tail_params(self.vllm_config.additional_config)
+        self.sal_alpha = params.alpha
+        if not isinstance(self.waiting, FCFSRequestQueue):
+            raise RuntimeError(
+                "larry_tail replaces vLLM's waiting order and needs --scheduling-policy fcfs "
+                f"(got {self.scheduler_config.policy!r})"
+            )
+        manager = self.kv_cache_manager
+        num_blocks = int(manager.block_pool.num_gpu_blocks)
+        if not isinstance(getattr(manager, "watermark_blocks", None), int):
+            raise RuntimeError("larry_tail needs vLLM's KV admission watermark (vLLM >= 0.32)")
+        manager.watermark_blocks = max(
+            manager.watermark_blocks, headroom_blocks(params.headroom, num_blocks)
+        )
+        # Block 0 is the null block; the guard sizes nothing else from it.
+        self.sal_guard = TailGuard(
+            params, block_size=int(self.block_size), kv_blocks_total=num_blocks - 1
+        )
+        self._sal_prev_schedule_s: float | None = None
+        self._sal_prev_prefill_tokens = 0
+        self._sal_prev_backlogged = False
+        logger.info(
+            "larry_tail: pin %s, slack %g, cap %g, margin %g s, alpha %g, headroom %d of %d "
+            "KV blocks",
+            params.pin,
+            params.slack,
+            params.cap,
+            params.margin_s,
+            params.alpha,
+            manager.watermark_blocks,
+            num_blocks,
+        )
+
+    def sal_headroom_blocks(self) -> int:
+        """KV blocks a waiting request must leave free while others run (vLLM applies it)."""
+        return int(self.kv_cache_manager.watermark_blocks)
+
+    def _sal_queued_tokens(self) -> int:
+        waiting = itertools.chain(self.kv_holding_waiting, self.waiting)
+        queued = sum(_uncomputed_tokens(r) for r in waiting)
+        return queued + sum(_uncomputed_tokens(r) for r in self.running if r.is_prefill_chunk)
+
+    def _sal_reorder(self) -> None:
+        now_s = self.sal_clock()
+        if self._sal_prev_schedule_s is not None:
+            self.sal_guard.observe_step(
+                now_s - self._sal_prev_schedule_s,
+                self._sal_prev_prefill_tokens,
+                self._sal_prev_backlogged,
+            )
+        self._sal_prev_schedule_s = now_s
+        self._sal_prev_backlogged = bool(self.waiting) or bool(self.kv_holding_waiting)
+        queue = self.waiting
+        if not queue:
+            return
+        ordered = self.sal_guard.order(
+            queue,
+            now_s=now_s,
+            queued_tokens=self._sal_queued_tokens(),
+            arrival_s=lambda r: float(r.arrival_time),
+            uncomputed_tokens=_uncomputed_tokens,
+            request_id=lambda r: str(r.request_id),
+        )
+        queue.clear()
+        queue.extend(ordered)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        # Prefill tokens of this step: chunks of more than one token (a decode is one).
+        self._sal_prev_prefill_tokens = sum(
+            int(n) for n in output.num_scheduled_tokens.values() if int(n) > 1
+        )
+        return output
 
 
 class LarryScheduler(_LarryMixin, Scheduler):
@@ -238,6 +398,16 @@ class LarryScheduler(_LarryMixin, Scheduler):
 
 class LarryAsyncScheduler(_LarryMixin, AsyncScheduler):
     """LARRY for vLLM's async scheduling (the GPU default)."""
+
+    sal_async: ClassVar[bool] = True
+
+
+class LarryTailScheduler(_LarryTailMixin, Scheduler):
+    """LARRY + tail guard for vLLM's synchronous scheduling (CPU, ``--no-async-scheduling``)."""
+
+
+class LarryTailAsyncScheduler(_LarryTailMixin, AsyncScheduler):
+    """LARRY + tail guard for vLLM's async scheduling (the GPU default)."""
 
     sal_async: ClassVar[bool] = True
 

@@ -8,7 +8,12 @@ Layout (little-endian, fixed size `FILE_SIZE_BYTES`)::
 
     offset 0   8s  magic  b"SALSNAP1"
     offset 8   Q   seq    even: record stable; odd: a write is in progress
-    offset 16  ... record (`_RECORD`)
+    offset 16  ... record (`_RECORD`), then its extension (`_RECORD_EXT`)
+
+The extension (``sal-stats/1.1``: prefix caching on, its hash algorithm, cached prefill
+tokens, hit counters) follows the original record, so the layout stays compatible both
+ways: a reader of the original layout ignores the bytes after it, and this reader decodes
+an older file's zero-filled extension as "prefix caching off".
 
 Seqlock protocol: the writer bumps ``seq`` to odd, writes the record, bumps it to even. A
 reader reads ``seq``, the record, and ``seq`` again, and retries unless both reads are equal
@@ -33,7 +38,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sal_gateway.stats import ReplicaStats
+from sal_core.stats import ReplicaStats
 
 MAGIC = b"SALSNAP1"
 _HEADER = struct.Struct("<8sQ")
@@ -41,16 +46,21 @@ _SEQ = struct.Struct("<Q")
 _SEQ_OFFSET = 8
 _MODEL_NAME_BYTES = 256
 _RECORD = struct.Struct(f"<dqdB7x10qH{_MODEL_NAME_BYTES}s")
+_HASH_ALGO_BYTES = 16
+_RECORD_EXT = struct.Struct(f"<B{_HASH_ALGO_BYTES}sqqq")
+"""prefix_caching (0/1), prefix_hash_algo (NUL-padded ASCII, empty: None),
+cached_prefill_tokens, prefix_cache_query_tokens, prefix_cache_hit_tokens."""
+_RECORD_BYTES = _RECORD.size + _RECORD_EXT.size
 FILE_SIZE_BYTES = 4096
 READ_ATTEMPTS = 1000
 """Consistent-read attempts before a reader gives up (a write takes ~1 µs, an attempt about
 as long, so this outlasts any writer that is running; one descheduled mid-write is not
 waited for: ~1 ms of the API server's loop at most)."""
 
-_SCHEDULER_CODES = {"fcfs": 0, "larry": 1}
+_SCHEDULER_CODES = {"fcfs": 0, "larry": 1, "larry_tail": 2}
 _SCHEDULER_NAMES = {code: name for name, code in _SCHEDULER_CODES.items()}
 
-assert _HEADER.size + _RECORD.size <= FILE_SIZE_BYTES
+assert _HEADER.size + _RECORD_BYTES <= FILE_SIZE_BYTES
 
 
 class SnapshotError(RuntimeError):
@@ -85,7 +95,15 @@ def encode_record(record: SnapshotRecord) -> bytes:
     """Pack a record into its fixed binary layout (pure)."""
     s = record.stats
     model = s.model.encode("utf-8")[:_MODEL_NAME_BYTES]
-    return _RECORD.pack(
+    algo = (s.prefix_hash_algo or "").encode("ascii", "replace")[:_HASH_ALGO_BYTES]
+    ext = _RECORD_EXT.pack(
+        int(s.prefix_caching),
+        algo,
+        s.cached_prefill_tokens,
+        s.prefix_cache_query_tokens,
+        s.prefix_cache_hit_tokens,
+    )
+    original = _RECORD.pack(
         s.time,
         s.step,
         math.nan if s.alpha is None else s.alpha,
@@ -103,6 +121,7 @@ def encode_record(record: SnapshotRecord) -> bytes:
         len(model),
         model,
     )
+    return original + ext
 
 
 def decode_record(data: bytes) -> SnapshotRecord:
@@ -125,6 +144,8 @@ def decode_record(data: bytes) -> SnapshotRecord:
         model_len,
         model,
     ) = _RECORD.unpack(data[: _RECORD.size])
+    caching, algo, cached, queries, hits = _RECORD_EXT.unpack(data[_RECORD.size : _RECORD_BYTES])
+    algo_name = algo.rstrip(b"\0").decode("ascii", errors="replace")
     stats = ReplicaStats(
         time=time_s,
         step=step,
@@ -140,6 +161,11 @@ def decode_record(data: bytes) -> SnapshotRecord:
         num_running=num_running,
         max_num_batched_tokens=max_batched,
         max_num_seqs=max_seqs,
+        prefix_caching=bool(caching),
+        prefix_hash_algo=algo_name or None,
+        cached_prefill_tokens=cached,
+        prefix_cache_query_tokens=queries,
+        prefix_cache_hit_tokens=hits,
     )
     return SnapshotRecord(stats, dp_rank, dp_local_count)
 
@@ -240,7 +266,7 @@ class SnapshotReader:
         for _ in range(READ_ATTEMPTS):
             (seq_before,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
             if not seq_before % 2:
-                data = mm[_HEADER.size : _HEADER.size + _RECORD.size]
+                data = mm[_HEADER.size : _HEADER.size + _RECORD_BYTES]
                 (seq_after,) = _SEQ.unpack_from(mm, _SEQ_OFFSET)
                 if seq_before == seq_after:
                     return None if seq_before == 0 else decode_record(data)

@@ -20,7 +20,7 @@ once per step (`iteration_time_s`), and once per replica at start-up (`num_kv_bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 1024**3
 
@@ -65,6 +65,8 @@ class CostProfile:
     """vLLM's ``--gpu-memory-utilization`` default."""
     non_kv_reserve_bytes: float = 0.0
     """Activation peak, CUDA graphs and runtime buffers vLLM keeps out of the KV cache."""
+    max_model_len: int = 8192
+    """The model's context window in tokens (what workloads are clipped to)."""
 
     def kv_cache_bytes(self) -> float:
         """Bytes left for the KV cache after weights and runtime reserve."""
@@ -187,6 +189,31 @@ LLAMA3_70B_FP8_H100X2 = CostProfile(
     non_kv_reserve_bytes=2 * 2.0 * GIB,
 )
 
+# --- Llama-3.1-8B (bf16), 128k context, on one A100-SXM4-40GB / -80GB -------------------
+# Model shape: meta-llama/Llama-3.1-8B config.json — the same 32 layers, hidden 4096, 32 query
+# and 8 KV heads of dim 128 and vocab 128256 as Llama-3-8B (same parameters), with
+# max_position_embeddings 131072 (rope_scaling "llama3"). Same GPU constants as above, so it
+# differs from `llama3-8b-a100` only in the context window the workloads may use; on 40 GB its
+# KV cache (~156k tokens, `num_kv_blocks`) holds one 128k prompt. Prefill attention grows with
+# the square of the context: a 128k-token prompt takes ~33 s here (roofline, no overheads).
+LLAMA31_8B_A100 = replace(
+    LLAMA3_8B_A100,
+    name="llama31-8b-a100",
+    description="Llama-3.1-8B bf16 (128k context) on one NVIDIA A100-SXM4-40GB",
+    max_model_len=131_072,
+)
+# The same model on an A100-SXM4-80GB: datasheet 80 GB HBM2e at 2,039 GB/s, the same
+# 312 TFLOPS dense bf16. 80 GiB x 0.9 - weights - reserve leaves ~55 GiB of KV (~451k tokens),
+# 2.9x the 40 GB card's ~19 GiB: the "about 3x the KV per replica" regime. FP8 KV
+# (``--kv-cache-dtype fp8``, 64 KiB per token) on the 40 GB card gives 1.9x; on 80 GB, 5.8x.
+LLAMA31_8B_A100_80GB = replace(
+    LLAMA31_8B_A100,
+    name="llama31-8b-a100-80gb",
+    description="Llama-3.1-8B bf16 (128k context) on one NVIDIA A100-SXM4-80GB (2.9x the KV)",
+    hbm_bytes_s=2.039e12,  # A100-80GB SXM datasheet: 2,039 GB/s HBM2e
+    gpu_memory_bytes=80 * GIB,  # A100-80GB: 81,920 MiB (nvidia-smi)
+)
+
 # --- tiny-cpu: a synthetic, fast profile for tests and the laptop demo ------------------
 # Not a real deployment: sized so one emulated replica steps every few milliseconds, a
 # 1,000-token prompt prefills in ~25 ms and a modest KV cache (16k tokens with
@@ -211,8 +238,24 @@ TINY_CPU = CostProfile(
     non_kv_reserve_bytes=0.0,
 )
 
+# Llama-3.1-70B has Llama-3-70B's shape with a 128k context: the same deployment otherwise.
+LLAMA31_70B_FP8_H100X2 = replace(
+    LLAMA3_70B_FP8_H100X2,
+    name="llama31-70b-fp8-h100x2",
+    description="Llama-3.1-70B FP8 (128k context) on two NVIDIA H100-SXM5-80GB, TP 2",
+    max_model_len=131_072,
+)
+
 PROFILES: dict[str, CostProfile] = {
-    p.name: p for p in (LLAMA3_8B_A100, LLAMA3_70B_FP8_H100X2, TINY_CPU)
+    p.name: p
+    for p in (
+        LLAMA3_8B_A100,
+        LLAMA3_70B_FP8_H100X2,
+        LLAMA31_8B_A100,
+        LLAMA31_8B_A100_80GB,
+        LLAMA31_70B_FP8_H100X2,
+        TINY_CPU,
+    )
 }
 
 

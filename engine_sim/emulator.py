@@ -10,7 +10,11 @@ Each replica is one FastAPI app (built by `create_app`) serving
   prompts count exactly);
 * ``GET /v1/models``, ``GET /health``;
 * ``GET /stats`` — the ``sal-stats/1`` contract from `EngineModel.stats`;
-* ``GET /metrics`` — the stock-vLLM subset the gateway's fallback reads.
+* ``GET /metrics`` — the stock-vLLM subset the gateway's fallback reads, with vLLM's
+  prefix-cache counters (``vllm:prefix_cache_queries_total``, ``..._hits_total``).
+
+Prefix caching is on, as in vLLM: a prompt's full blocks are keyed from the tokens the
+replica sees (`engine_sim.prompt_blocks`) and reused by later prompts that share them.
 
 A client disconnect aborts its requests in the engine. Several replicas run in one process
 (`run_emulators`, or ``python -m engine_sim.emulator --replicas 4 --base-port 8001``).
@@ -65,6 +69,9 @@ class EmulatorConfig:
     enable_chunked_prefill: bool = True
     reserve_full_prompt: bool = True
     """vLLM 0.32's ``--scheduler-reserve-full-isl`` (see `EngineConfig`)."""
+    enable_prefix_caching: bool = True
+    """Reuse cached prompt blocks (vLLM's default; ``--no-enable-prefix-caching`` turns it
+    off); block keys come from the prompt's tokens (`engine_sim.prompt_blocks`)."""
     tokenizer: str | None = None
     """Tokenizer directory for exact prompt counts; None: the documented estimate."""
     max_model_len: int | None = None
@@ -83,6 +90,7 @@ class EmulatorConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             reserve_full_prompt=self.reserve_full_prompt,
+            enable_prefix_caching=self.enable_prefix_caching,
             scheduler=self.scheduler,
             alpha=self.alpha,
             trail_c=self.trail_c,
@@ -273,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="reserve_full_prompt",
         action="store_false",
         help="admit when the first chunk fits, not the whole prompt (as vLLM's flag)",
+    )
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="no prefix cache (as vLLM's flag; on by default, as in vLLM)",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (exact counts)")
     parser.add_argument("--max-model-len", type=int, default=None)

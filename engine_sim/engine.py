@@ -22,6 +22,14 @@ Token accounting as in vLLM: a request has ``prompt_tokens + output_done`` token
 which ``num_computed_tokens`` have KV; it needs ``ceil(num_computed_tokens /
 block_size)`` blocks. A preempted request recomputes its prompt and its outputs so far.
 
+Prefix caching (`EngineConfig.enable_prefix_caching`, off by default; `engine_sim.kv_cache`):
+full computed blocks with a key (`SimRequest.block_keys`) stay cached after their request
+lets go of them; they count as free and are evicted least recently freed first. At
+admission a request's leading cached blocks (at most all but its last token) are reused: no
+compute for them, and blocks a running request holds are shared. While a request waits,
+its cached prefix is left out of `/stats`' ``queued_prefill_tokens`` and of LARRY's memory
+term (re-looked-up whenever the waiting queue's members change, for reordering policies).
+
 Who calls it: the simulator on a virtual clock, the emulator on the wall clock; both
 call `step()` only while `has_work()`. Deterministic: no randomness, no clock reads.
 """
@@ -29,12 +37,14 @@ call `step()` only while `has_work()`. Deterministic: no randomness, no clock re
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine_sim.cost_model import CostProfile, iteration_time_s
+from engine_sim.kv_cache import PrefixCache
 from engine_sim.schedulers import ENGINE_SCHEDULERS, EngineScheduler, make_scheduler
-from sal_gateway.stats import ReplicaStats
+from sal_core.stats import ReplicaStats
 
 
 @dataclass(slots=True)
@@ -54,7 +64,21 @@ class SimRequest:
     finish_s: float | None = None
     num_preemptions: int = 0
     kv_blocks: int = 0
-    """KV blocks the request holds now (engine bookkeeping)."""
+    """KV blocks the request holds now (engine bookkeeping; with prefix caching, shared
+    cached blocks count for every request holding them)."""
+    block_keys: Sequence[int] = ()
+    """Chained keys of the full blocks of its token stream (`sal_core.prefix.chain_hashes`
+    or `engine_sim.workloads.TokenBlocks.keys`): the prompt's, and the output's where a
+    later prompt is known to repeat it. Empty: nothing of it is ever reused."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at its first admission (no prefill for them)."""
+    prefix_hit_tokens: int = 0
+    """While waiting: cached leading tokens at the last lookup (what `/stats` and LARRY's
+    memory term leave out); 0 without prefix caching."""
+    cached_keys: list[int] = field(default_factory=list)
+    """Keys of the cached blocks it holds, in block order (engine bookkeeping)."""
+    next_promote: int = 0
+    """Index of its first block not yet offered to the cache (engine bookkeeping)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +108,10 @@ class EngineConfig:
     """Admit a waiting request only if KV blocks for all its tokens to (re)compute are free,
     though blocks are still allocated chunk by chunk (vLLM 0.32's
     ``--scheduler-reserve-full-isl``, on by default). Off: only the first chunk must fit."""
+    enable_prefix_caching: bool = False
+    """Keep computed full blocks cached and reuse them by `SimRequest.block_keys`
+    (``--enable-prefix-caching``; `engine_sim.kv_cache`). Off by default here, so runs
+    without it are exactly the model without a cache (vLLM turns it on by default)."""
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -129,10 +157,13 @@ def _blocks(tokens: int, block_size: int) -> int:
 class EngineModel:
     """One replica: `add_request`, then `step` while `has_work`; `stats` for `/stats`."""
 
-    def __init__(self, config: EngineConfig, profile: CostProfile) -> None:
+    def __init__(
+        self, config: EngineConfig, profile: CostProfile, policy: EngineScheduler | None = None
+    ) -> None:
+        """`policy` overrides the scheduler named in `config` (parameter studies)."""
         self.config = config
         self.profile = profile
-        self.policy: EngineScheduler = make_scheduler(config)
+        self.policy: EngineScheduler = policy or make_scheduler(config)
         self._waiting: deque[SimRequest] = deque()
         self._running: list[SimRequest] = []
         self._live: dict[str, SimRequest] = {}
@@ -148,6 +179,15 @@ class EngineModel:
         self._unscheduled_prefill_tokens = 0
         self.num_preemptions = 0
         """Preemptions since start (all requests)."""
+        self.cache: PrefixCache | None = (
+            PrefixCache(config.num_kv_blocks) if config.enable_prefix_caching else None
+        )
+        """The prefix cache (None: prefix caching off)."""
+        self.prefix_queries_tokens = 0
+        """Prompt tokens looked up in the prefix cache at admission (vLLM's
+        ``prefix_cache_queries``); with `prefix_hits_tokens`, the achieved hit rate."""
+        self.prefix_hits_tokens = 0
+        """Of those, tokens found cached (vLLM's ``prefix_cache_hits``)."""
 
     # --- queries ------------------------------------------------------------------------
 
@@ -176,6 +216,20 @@ class EngineModel:
         """Whether a `step()` would schedule anything (a request is waiting or running)."""
         return bool(self._running) or bool(self._waiting)
 
+    @property
+    def cached_blocks(self) -> int:
+        """Distinct blocks in the prefix cache now, held or not (0 without caching)."""
+        return 0 if self.cache is None else self.cache.cached_blocks
+
+    def cached_prefix(self, keys: Sequence[int]) -> tuple[int, int]:
+        """``(cached_blocks, held_blocks)`` of a prompt with block `keys` on this replica now:
+        its leading cached blocks and how many of those a live request holds. No side
+        effects (the simulator's "precise" cache source reads it, as vLLM's KV events would
+        tell a router). ``(0, 0)`` without prefix caching."""
+        if self.cache is None:
+            return 0, 0
+        return self.cache.lookup(keys, len(keys))
+
     def get(self, request_id: str) -> SimRequest | None:
         """The live (waiting or running) request with this id, if any."""
         return self._live.get(request_id)
@@ -198,6 +252,10 @@ class EngineModel:
             num_running=len(self._running),
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs,
+            # sal-stats/1.1: a router can track this replica's prefix cache.
+            prefix_caching=self.cache is not None,
+            prefix_cache_query_tokens=self.prefix_queries_tokens,
+            prefix_cache_hit_tokens=self.prefix_hits_tokens,
         )
 
     # --- commands -----------------------------------------------------------------------
@@ -227,7 +285,8 @@ class EngineModel:
             )
         self._live[req.request_id] = req
         self._waiting.append(req)
-        self._waiting_prefill_tokens += req.prompt_tokens
+        req.prefix_hit_tokens = self._lookup_hit_tokens(req)
+        self._waiting_prefill_tokens += req.prompt_tokens - req.prefix_hit_tokens
         self._waiting_dirty = True
         self._latest_arrival_s = max(self._latest_arrival_s, req.arrival_s)
 
@@ -241,10 +300,11 @@ class EngineModel:
             self._refresh_running_prefill()
         else:
             self._waiting.remove(req)
-            self._waiting_prefill_tokens -= req.prompt_tokens + req.output_done
+            self._waiting_prefill_tokens -= (
+                req.prompt_tokens + req.output_done - req.prefix_hit_tokens
+            )
             self._waiting_dirty = True
-        self._free_blocks += req.kv_blocks
-        req.kv_blocks = 0
+        self._release(req)
 
     def step(self, now_s: float) -> StepResult:
         """Schedule and run one iteration starting at `now_s` (see the module docstring)."""
@@ -257,9 +317,18 @@ class EngineModel:
         sched: list[SimRequest] = []
         sched_tokens: list[int] = []
         budget, work = self._schedule_running(sched, sched_tokens, preempted)
+        backlogged = bool(self._waiting)
         # vLLM admits no waiting request in a step that had to preempt for KV.
-        if not self._oom_preempted and self._waiting and budget > 0:
-            admitted = self._schedule_waiting(sched, sched_tokens, budget)
+        if (
+            not self._oom_preempted
+            and self._waiting
+            and budget > 0
+            and self.policy.admission_open(self._waiting, self._running, self._free_blocks)
+        ):
+            if self.cache is None:
+                admitted = self._schedule_waiting(sched, sched_tokens, budget)
+            else:
+                admitted = self._schedule_waiting_cached(sched, sched_tokens, budget)
             work = _Work(
                 work.prefill_tokens + admitted.prefill_tokens,
                 work.decode_seqs,
@@ -274,6 +343,13 @@ class EngineModel:
             attention_pairs=work.attention_pairs,
         )
         new_tokens, finished = self._apply(sched, sched_tokens, now_s + duration_s)
+        self.policy.observe_step(
+            now_s + duration_s,
+            duration_s,
+            work.prefill_tokens,
+            backlogged,
+            self._running_prefill_tokens,
+        )
         return StepResult(
             duration_s, new_tokens, finished, preempted, work.prefill_tokens, work.decode_seqs
         )
@@ -284,20 +360,58 @@ class EngineModel:
         # LARRY's and TRAIL+'s orders only change when the queue's members change (all
         # waiting times grow alike), so re-sorting on change is exact. An arrival stamped
         # in the future (clamped wait) keeps the queue dirty until it is in the past.
-        if not (self._waiting_dirty and self.policy.reorders and self._waiting):
+        if not (self.policy.reorders and self._waiting):
             return
+        if not (self._waiting_dirty or self.policy.order_due(now_s)):
+            return
+        if self.cache is not None:
+            self._refresh_waiting_hits()
         self._waiting = deque(self.policy.order_waiting(self._waiting, now_s))
         self._waiting_dirty = self._latest_arrival_s > now_s
 
     def _preempt(self, victim: SimRequest) -> None:
-        self._free_blocks += victim.kv_blocks
-        victim.kv_blocks = 0
+        self._release(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(victim)
-        self._waiting_prefill_tokens += victim.prompt_tokens + victim.output_done
+        # Its own blocks are cached now (unless evicted): a re-admission may reuse them.
+        victim.prefix_hit_tokens = self._lookup_hit_tokens(victim)
+        self._waiting_prefill_tokens += (
+            victim.prompt_tokens + victim.output_done - victim.prefix_hit_tokens
+        )
         self._waiting_dirty = True
+
+    def _release(self, req: SimRequest) -> None:
+        """`req` lets go of its KV blocks (finished, preempted or aborted)."""
+        cache = self.cache
+        if cache is None:
+            self._free_blocks += req.kv_blocks
+        else:
+            keys = req.cached_keys
+            self._free_blocks += cache.release(keys, req.kv_blocks - len(keys))
+            req.cached_keys = []
+            req.next_promote = 0
+        req.kv_blocks = 0
+
+    def _lookup_hit_tokens(self, req: SimRequest) -> int:
+        """Leading tokens of waiting `req` the cache would give it now: at most all but its
+        last token, as vLLM must compute one token to sample (0 without caching)."""
+        if self.cache is None or not req.block_keys:
+            return 0
+        bs = self.config.block_size
+        tokens = req.prompt_tokens + req.output_done
+        hit, _ = self.cache.lookup(req.block_keys, (tokens - 1) // bs)
+        return hit * bs
+
+    def _refresh_waiting_hits(self) -> None:
+        """Re-look-up every waiting request (the cache changed since they were counted)."""
+        delta = 0
+        for req in self._waiting:
+            hit = self._lookup_hit_tokens(req)
+            delta += req.prefix_hit_tokens - hit
+            req.prefix_hit_tokens = hit
+        self._waiting_prefill_tokens += delta
 
     def _srpt_preempt(self, preempted: list[str]) -> None:
         """TRAIL+: make room for the waiting head by preempting longer running requests."""
@@ -349,6 +463,8 @@ class EngineModel:
             if need > 0:
                 req.kv_blocks += need
                 self._free_blocks -= need
+                if self.cache is not None:
+                    self.cache.take_free(need)
             sched.append(req)
             sched_tokens.append(num_new)
             budget -= num_new
@@ -391,7 +507,7 @@ class EngineModel:
                 num_new = budget
             blocks = -(-reserve_tokens(req, num_new) // bs)
             needed = -(-reserve_tokens(req, num_tokens) // bs) if full else blocks
-            if needed > self._free_blocks:
+            if not self.policy.admits(needed, self._free_blocks, len(running)):
                 break
             waiting.popleft()
             self._waiting_prefill_tokens -= num_tokens
@@ -406,6 +522,66 @@ class EngineModel:
             attention_pairs += num_new * (num_new + 1) // 2
         return _Work(prefill_tokens, 0, prefill_tokens, attention_pairs)
 
+    def _schedule_waiting_cached(
+        self, sched: list[SimRequest], sched_tokens: list[int], budget: int
+    ) -> _Work:
+        """`_schedule_waiting` with prefix caching (vLLM's ``get_computed_blocks`` then
+        ``allocate_slots``): a request's leading cached blocks are reused, so only the rest
+        is computed; the admission check counts its new blocks plus its cached hits that
+        nobody holds (taking them off the free queue consumes free KV)."""
+        cfg = self.config
+        bs = cfg.block_size
+        cache = self.cache
+        assert cache is not None
+        waiting = self._waiting
+        running = self._running
+        reserve_tokens = self.policy.reserve_tokens
+        full = cfg.reserve_full_prompt
+        prefill_tokens = context_tokens = attention_pairs = 0
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = waiting[0]
+            num_tokens = req.prompt_tokens + req.output_done
+            keys = req.block_keys
+            hit, held = cache.lookup(keys, (num_tokens - 1) // bs) if keys else (0, 0)
+            computed = hit * bs
+            num_new = num_tokens - computed
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            blocks = -(-max(computed + num_new, reserve_tokens(req, num_new)) // bs) - hit
+            needed = blocks
+            if full:
+                needed = -(-max(num_tokens, reserve_tokens(req, num_tokens)) // bs) - hit
+            # New blocks, plus cached hits nobody holds (taking them consumes free KV).
+            if not self.policy.admits(needed + hit - held, self._free_blocks, len(running)):
+                break
+            waiting.popleft()
+            self._waiting_prefill_tokens -= num_tokens - req.prefix_hit_tokens
+            req.prefix_hit_tokens = 0
+            self._waiting_dirty = True
+            if hit:
+                hit_keys = list(keys[:hit])
+                self._free_blocks -= cache.acquire(hit_keys)
+                req.cached_keys = hit_keys
+            req.next_promote = hit
+            cache.take_free(blocks)
+            self._free_blocks -= blocks
+            req.kv_blocks = hit + blocks
+            req.num_computed_tokens = computed
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
+            self.prefix_queries_tokens += num_tokens
+            self.prefix_hits_tokens += computed
+            running.append(req)
+            sched.append(req)
+            sched_tokens.append(num_new)
+            budget -= num_new
+            prefill_tokens += num_new
+            context_tokens += computed + num_new
+            attention_pairs += num_new * computed + num_new * (num_new + 1) // 2
+        return _Work(prefill_tokens, 0, context_tokens, attention_pairs)
+
     def _apply(
         self, sched: list[SimRequest], sched_tokens: list[int], end_s: float
     ) -> tuple[list[tuple[str, int]], list[SimRequest]]:
@@ -413,9 +589,19 @@ class EngineModel:
         new_tokens: list[tuple[str, int]] = []
         finished: list[SimRequest] = []
         running_prefill = self._unscheduled_prefill_tokens
+        cache = self.cache
+        bs = self.config.block_size
         for req, num_new in zip(sched, sched_tokens, strict=True):
             computed = req.num_computed_tokens + num_new
             req.num_computed_tokens = computed
+            if cache is not None:
+                full = min(computed // bs, len(req.block_keys))
+                if full > req.next_promote:
+                    keys = req.block_keys
+                    for i in range(req.next_promote, full):
+                        if cache.promote(keys[i]):
+                            req.cached_keys.append(keys[i])
+                    req.next_promote = full
             tokens = req.prompt_tokens + req.output_done
             if computed == tokens:
                 done = req.output_done + 1
@@ -431,8 +617,7 @@ class EngineModel:
                 running_prefill += tokens - computed
         if finished:
             for req in finished:
-                self._free_blocks += req.kv_blocks
-                req.kv_blocks = 0
+                self._release(req)
                 del self._live[req.request_id]
             self._running = [r for r in self._running if r.finish_s is None]
         self._running_prefill_tokens = running_prefill

@@ -20,6 +20,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine_sim import openai_bodies as bodies
+from engine_sim.prompt_blocks import prompt_block_keys
 from engine_sim.replica import ReplicaRuntime, TokenEvent
 from sal_gateway.errors import BadRequest, GatewayError, ModelNotFound, error_body
 from sal_gateway.request_body import Endpoint, parse_body
@@ -67,6 +68,14 @@ def metrics_text(runtime: ReplicaRuntime, model_name: str) -> str:
         "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
         "# TYPE vllm:prompt_tokens_total counter",
         f"vllm:prompt_tokens_total{{{labels}}} {float(c.prompt_tokens)}",
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of "
+        "queried tokens.",
+        "# TYPE vllm:prefix_cache_queries_total counter",
+        f"vllm:prefix_cache_queries_total{{{labels}}} {float(engine.prefix_queries_tokens)}",
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached "
+        "tokens.",
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        f"vllm:prefix_cache_hits_total{{{labels}}} {float(engine.prefix_hits_tokens)}",
         "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
         "# TYPE vllm:generation_tokens_total counter",
         f"vllm:generation_tokens_total{{{labels}}} {float(c.generation_tokens)}",
@@ -88,6 +97,8 @@ class _Generation:
     include_usage: bool
     prompt_counts: tuple[int, ...]
     max_tokens: int
+    block_keys: tuple[list[int], ...] = ()
+    """Per prompt, its full blocks' keys (empty without prefix caching)."""
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -112,6 +123,12 @@ def _validate(replica: ReplicaState, raw: bytes, endpoint: Endpoint) -> _Generat
     max_tokens = max(1, min(max_tokens, replica.max_model_len - longest))
     options = inbound.body.get("stream_options") or {}
     chat = endpoint is Endpoint.CHAT
+    engine = replica.runtime.engine
+    keys: tuple[list[int], ...] = ()
+    if engine.cache is not None:
+        keys = tuple(
+            prompt_block_keys(inbound, replica.counter.hf_tokenizer, engine.config.block_size)
+        )
     return _Generation(
         response_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         chat=chat,
@@ -119,6 +136,7 @@ def _validate(replica: ReplicaState, raw: bytes, endpoint: Endpoint) -> _Generat
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         prompt_counts=tuple(max(1, c) for c in count.per_prompt),
         max_tokens=max_tokens,
+        block_keys=keys,
     )
 
 
@@ -137,7 +155,10 @@ async def generate(request: Request, endpoint: Endpoint, replica: ReplicaState) 
     request_ids: list[str] = []
     try:
         for index, prompt_tokens in enumerate(gen.prompt_counts):
-            request_ids.append(replica.runtime.submit(prompt_tokens, gen.max_tokens, queue, index))
+            keys = gen.block_keys[index] if gen.block_keys else ()
+            request_ids.append(
+                replica.runtime.submit(prompt_tokens, gen.max_tokens, queue, index, keys)
+            )
     except ValueError as exc:
         _abort_all(replica, request_ids)
         return _error(BadRequest(str(exc), param="max_tokens"))

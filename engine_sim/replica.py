@@ -15,10 +15,11 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from engine_sim.engine import EngineModel, SimRequest
-from sal_gateway.stats import ReplicaStats
+from sal_core.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +92,25 @@ class ReplicaRuntime:
             self._task = None
 
     def submit(
-        self, prompt_tokens: int, output_tokens: int, queue: asyncio.Queue[TokenEvent], index: int
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        queue: asyncio.Queue[TokenEvent],
+        index: int,
+        block_keys: Sequence[int] = (),
     ) -> str:
         """Queue one generation in the engine; its tokens go to `queue` tagged `index`.
+        `block_keys`: its prompt's full blocks (`engine_sim.prompt_blocks`), for the prefix
+        cache; keys past the counted prompt are dropped.
 
         Returns the engine request id (for `abort`). `ValueError` if the engine can never
         hold it.
         """
         request_id = f"req-{next(self._ids)}"
-        self.engine.add_request(SimRequest(request_id, self.now_s(), prompt_tokens, output_tokens))
+        keys = list(block_keys[: prompt_tokens // self.engine.config.block_size])
+        self.engine.add_request(
+            SimRequest(request_id, self.now_s(), prompt_tokens, output_tokens, block_keys=keys)
+        )
         self._sinks[request_id] = _Sink(queue, index)
         self.counters.prompt_tokens += prompt_tokens
         self._wakeup.set()

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sal_core.percentile import percentile
+
 
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
@@ -25,6 +27,10 @@ class RequestOutcome:
     first_token_s: float
     finish_s: float
     num_preemptions: int
+    cached_tokens: int = 0
+    """Prompt tokens the replica found in its prefix cache (no prefill for them)."""
+    predicted_cached_tokens: int = 0
+    """Prompt tokens the router predicted the chosen replica held (its cache source)."""
 
     @property
     def ttft_s(self) -> float:
@@ -35,17 +41,6 @@ class RequestOutcome:
     def tgt_s(self) -> float:
         """Total generation time: arrival to last token."""
         return self.finish_s - self.arrival_s
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`-th percentile (0..100) with linear interpolation (numpy's default); NaN if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +69,10 @@ class Summary:
     """Finished requests per second of simulated time (first arrival to last finish)."""
     output_tokens_per_s: float
     makespan_s: float
+    hit_rate: float = 0.0
+    """Prompt tokens served from a prefix cache / all prompt tokens (achieved)."""
+    predicted_hit_rate: float = 0.0
+    """Prompt tokens the router predicted cached on the chosen replica / all prompt tokens."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +92,7 @@ def summarize(outcomes: Sequence[RequestOutcome], unfinished: int = 0) -> Summar
     preemptions = sum(o.num_preemptions for o in outcomes)
     preempted = sum(1 for o in outcomes if o.num_preemptions > 0)
     out_tokens = sum(o.output_tokens for o in outcomes)
+    prompt_tokens = sum(o.prompt_tokens for o in outcomes)
     return Summary(
         requests=n,
         unfinished=unfinished,
@@ -111,6 +111,12 @@ def summarize(outcomes: Sequence[RequestOutcome], unfinished: int = 0) -> Summar
         throughput_rps=n / makespan if makespan > 0 else 0.0,
         output_tokens_per_s=out_tokens / makespan if makespan > 0 else 0.0,
         makespan_s=makespan,
+        hit_rate=sum(o.cached_tokens for o in outcomes) / prompt_tokens if prompt_tokens else 0.0,
+        predicted_hit_rate=(
+            sum(o.predicted_cached_tokens for o in outcomes) / prompt_tokens
+            if prompt_tokens
+            else 0.0
+        ),
     )
 
 
@@ -139,4 +145,7 @@ def format_table(summary: Summary) -> str:
         lines.append(f"{'requests unfinished':<34}{summary.unfinished:>12d}")
     for label, key, scale in _TABLE_ROWS:
         lines.append(f"{label:<34}{values[key] * scale:>12.4g}")
+    if summary.hit_rate or summary.predicted_hit_rate:
+        lines.append(f"{'prefix-cache hit rate (%)':<34}{summary.hit_rate * 100:>12.4g}")
+        lines.append(f"{'predicted hit rate (%)':<34}{summary.predicted_hit_rate * 100:>12.4g}")
     return "\n".join(lines)

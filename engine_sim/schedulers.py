@@ -18,10 +18,13 @@ builds one from an `EngineConfig`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from engine_patch.larry import LarryParams, larry_order
+from sal_core.larry import LarryParams, larry_order
+from sal_core.larry_tail import TailGuard, TailParams, admits_with_headroom, headroom_blocks
+from sal_core.tgi import TgiAdmission, TgiParams, count_fitting
 
 if TYPE_CHECKING:
     from engine_sim.engine import EngineConfig, SimRequest
@@ -75,13 +78,43 @@ class EngineScheduler:
         """Index of a running request to preempt in favour of waiting `head`, or None."""
         return None
 
+    def order_due(self, now_s: float) -> bool:
+        """Whether the order must be recomputed although the queue did not change (a
+        time-dependent order, e.g. a request became due); checked once per step."""
+        return False
+
+    def admission_open(
+        self, waiting: Sequence[SimRequest], running: Sequence[SimRequest], free_blocks: int
+    ) -> bool:
+        """Whether this step may admit waiting requests at all (TGI); once per step."""
+        return True
+
+    def admits(self, needed_blocks: int, free_blocks: int, num_running: int) -> bool:
+        """Whether the waiting head needing `needed_blocks` is admitted (vLLM: it fits);
+        False stops the scan. Once per admission attempt."""
+        return needed_blocks <= free_blocks
+
+    def observe_step(
+        self,
+        end_s: float,
+        duration_s: float,
+        prefill_tokens: int,
+        backlogged: bool,
+        running_prefill_tokens: int,
+    ) -> None:
+        """After every step: it ended at `end_s`, lasted `duration_s`, prefilled
+        `prefill_tokens`; `backlogged`: a request was waiting once the running requests were
+        scheduled (requests this step preempted included; the vLLM patch looks before its
+        running phase, which differs only in a step that preempts with nothing waiting);
+        `running_prefill_tokens`: prefill left in running requests now."""
+
 
 class FcfsScheduler(EngineScheduler):
     """vLLM's stock FCFS order with recompute preemption of the last running request."""
 
 
 class LarryScheduler(EngineScheduler):
-    """LARRY: waiting queue sorted by `engine_patch.larry.larry_order` (the vLLM patch's code).
+    """LARRY: waiting queue sorted by `sal_core.larry.larry_order` (the vLLM patch's code).
 
     Non-preemptive by design; when KV runs out vLLM's default preemption (last running
     request) still applies, exactly as in the patched vLLM.
@@ -169,12 +202,131 @@ class TrailPlusScheduler(EngineScheduler):
         return best
 
 
+class LarryTailScheduler(EngineScheduler):
+    """LARRY with the tail guard (`sal_core.larry_tail`, the vLLM patch's code).
+
+    Requests whose FCFS wait is due are pinned ahead of LARRY's order; admissions keep a
+    KV headroom while others run. The drain rate comes from `observe_step`, the queued
+    prefill tokens from the waiting queue plus the running requests' remaining prefill.
+    """
+
+    name = "larry_tail"
+    reorders = True
+
+    def __init__(self, config: EngineConfig, params: TailParams | None = None) -> None:
+        super().__init__(config)
+        self.params = params or TailParams()
+        self.guard = TailGuard(
+            self.params, block_size=config.block_size, kv_blocks_total=config.num_kv_blocks
+        )
+        self._running_prefill_tokens = 0
+
+    @property
+    def alpha(self) -> float | None:
+        return self.params.alpha
+
+    def order_due(self, now_s: float) -> bool:
+        return now_s >= self.guard.next_due_s
+
+    def order_waiting(self, waiting: Sequence[SimRequest], now_s: float) -> list[SimRequest]:
+        queued = self._running_prefill_tokens + sum(_uncomputed_tokens(r) for r in waiting)
+        return self.guard.order(
+            waiting,
+            now_s=now_s,
+            queued_tokens=queued,
+            arrival_s=_arrival_s,
+            uncomputed_tokens=_uncomputed_tokens,
+            request_id=_request_id,
+        )
+
+    def admits(self, needed_blocks: int, free_blocks: int, num_running: int) -> bool:
+        return self.guard.admits(needed_blocks, free_blocks, num_running)
+
+    def observe_step(
+        self,
+        end_s: float,
+        duration_s: float,
+        prefill_tokens: int,
+        backlogged: bool,
+        running_prefill_tokens: int,
+    ) -> None:
+        self._running_prefill_tokens = running_prefill_tokens
+        self.guard.observe_step(duration_s, prefill_tokens, backlogged)
+
+
+class HeadroomFcfsScheduler(EngineScheduler):
+    """FCFS with the tail guard's KV headroom on admission (and nothing else)."""
+
+    name = "fcfs_headroom"
+
+    def __init__(self, config: EngineConfig, headroom: float | None = None) -> None:
+        super().__init__(config)
+        fraction = TailParams().headroom if headroom is None else headroom
+        self.reserve_blocks = headroom_blocks(fraction, config.num_kv_blocks + 1)
+
+    def admits(self, needed_blocks: int, free_blocks: int, num_running: int) -> bool:
+        return admits_with_headroom(needed_blocks, free_blocks, num_running, self.reserve_blocks)
+
+
+class TgiScheduler(EngineScheduler):
+    """TGI's admission (`sal_core.tgi`): FCFS, prompt + full output reserved up front, and
+    while a batch decodes, new requests join only when enough of them fit
+    (waiting-served ratio) or the running batch has decoded `max_waiting_tokens` steps
+    since the last admission. Nothing is ever preempted."""
+
+    name = "tgi"
+    preemptive = False
+
+    def __init__(self, config: EngineConfig, params: TgiParams | None = None) -> None:
+        super().__init__(config)
+        self.tgi = TgiAdmission(params or TgiParams())
+
+    def reserve_tokens(self, req: SimRequest, num_new_tokens: int) -> int:
+        return req.prompt_tokens + req.output_tokens
+
+    def admission_open(
+        self, waiting: Sequence[SimRequest], running: Sequence[SimRequest], free_blocks: int
+    ) -> bool:
+        need = self.tgi.min_batch(len(running))
+        if need is None:
+            return True
+        cfg = self.config
+        head = list(itertools.islice(waiting, need))
+        fitting = count_fitting(
+            [-(-(r.prompt_tokens + r.output_tokens) // cfg.block_size) for r in head],
+            [r.prompt_tokens + r.output_done for r in head],
+            free_blocks=free_blocks,
+            free_slots=cfg.max_num_seqs - len(running),
+            prefill_budget_tokens=cfg.max_num_batched_tokens,
+            enough=need,
+        )
+        return fitting >= need
+
+    def admits(self, needed_blocks: int, free_blocks: int, num_running: int) -> bool:
+        ok = needed_blocks <= free_blocks
+        if ok:
+            self.tgi.admitted()
+        return ok
+
+    def observe_step(
+        self,
+        end_s: float,
+        duration_s: float,
+        prefill_tokens: int,
+        backlogged: bool,
+        running_prefill_tokens: int,
+    ) -> None:
+        self.tgi.stepped()
+
+
 def _arrival_s(req: SimRequest) -> float:
     return req.arrival_s
 
 
 def _uncomputed_tokens(req: SimRequest) -> int:
-    return req.prompt_tokens + req.output_done - req.num_computed_tokens
+    # A waiting request's cached prefix needs neither compute nor new blocks (vLLM-side
+    # LARRY counts uncached blocks the same way); `prefix_hit_tokens` is 0 without caching.
+    return req.prompt_tokens + req.output_done - req.num_computed_tokens - req.prefix_hit_tokens
 
 
 def _request_id(req: SimRequest) -> str:
@@ -186,6 +338,9 @@ ENGINE_SCHEDULERS: dict[str, Callable[[EngineConfig], EngineScheduler]] = {
     "larry": LarryScheduler,
     "no_preempt": NoPreemptScheduler,
     "trail_plus": TrailPlusScheduler,
+    "larry_tail": LarryTailScheduler,
+    "fcfs_headroom": HeadroomFcfsScheduler,
+    "tgi": TgiScheduler,
 }
 
 

@@ -3,8 +3,8 @@
 One `Simulation` replays a trace (`engine_sim.trace`) through replicas that follow the
 `ReplicaEngine` protocol (`engine_sim.engine.EngineModel` in production; tests may pass a
 fake). Routing uses the gateway's own objects, imported, not re-written:
-`sal_gateway.policies.make_policy()`, `BackendView`, `RouteRequest`, and
-`sal_gateway.beta.BetaEstimator` fed with every finished request.
+`sal_core.policies.make_policy()`, `BackendView`, `RouteRequest`, and
+`sal_core.beta.BetaEstimator` fed with every finished request.
 
 The router sees state the way the gateway does:
 
@@ -20,6 +20,14 @@ The router sees state the way the gateway does:
   before/after comparisons;
 * in-flight counts from its own bookkeeping (+1 when routed, -1 when the last token is out).
 
+Several gateways (`RouterConfig.gateways` = K > 1), as when users run several gateway
+replicas or workers: each gateway gets its share of the arrivals (round-robin or seeded
+random split), and keeps everything above for itself: its own snapshots of every replica
+(polls offset by ``poll_interval_s / K`` from one gateway to the next), its own between-poll
+accounting and in-flight counts (only of the requests it routed), its own beta estimate (fed
+by its own finished requests) and its own policy object. Nothing is shared but the replicas.
+Every decision is logged (`SimResult.decisions`) so herding can be measured.
+
 Event loop: a heap of next-event times. A busy replica has exactly one pending event, the
 end of its current iteration (`step(now)` returns the iteration's duration; its tokens are
 delivered then); an idle replica has none and is woken by the next request routed to it.
@@ -32,18 +40,27 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine_sim.cost_model import get_profile
 from engine_sim.engine import EngineConfig, EngineModel, SimRequest
 from engine_sim.results import RequestOutcome, Summary, summarize
+from engine_sim.router_cache import CACHE_SOURCES, CacheView, RouterCache
 from engine_sim.trace import TraceRequest
-from sal_gateway.beta import BetaEstimator
-from sal_gateway.policies import BackendView, Policy, RouteRequest, make_policy
-from sal_gateway.stats import ReplicaStats
+from sal_core.beta import BetaEstimator
+from sal_core.policies import (
+    DEFAULT_MIN_MATCH_TOKENS,
+    BackendView,
+    Policy,
+    PolicySettings,
+    RouteRequest,
+    make_policy,
+)
+from sal_core.stats import ReplicaStats
 
 
 class SimulationError(RuntimeError):
@@ -90,7 +107,7 @@ class RouterConfig:
     """How the simulated gateway routes and how fresh its view of the replicas is."""
 
     policy: str = "sal"
-    """A name in `sal_gateway.policies.POLICIES`."""
+    """A name in `sal_core.policies.POLICIES`."""
     poll_interval_s: float = 0.1
     """Period of the `/stats` polls (the gateway's ``routing.poll_interval_s``)."""
     stats_delay_s: float = 0.0
@@ -103,8 +120,30 @@ class RouterConfig:
     """``"ticket"`` (the gateway's rule) or ``"reset"`` (its earlier, forgetful rule)."""
     accounting_grace_s: float = 0.05
     """The gateway's ``routing.accounting_grace_s`` (``"ticket"`` accounting only)."""
+    gateways: int = 1
+    """Independent gateways in front of the same replicas (see the module docstring)."""
+    gateway_split: str = "round_robin"
+    """How arrivals are split among the gateways: ``"round_robin"`` by arrival order or
+    ``"random"`` (seeded by `seed`), as a Kubernetes Service or a shared port does."""
+    cache_source: str = "none"
+    """What the router knows of each replica's prefix cache (`engine_sim.router_cache`):
+    ``"none"``, ``"approximate"`` (its own index of routed blocks; each gateway its own) or
+    ``"oracle"`` (the engines' true contents, as vLLM's KV events would tell)."""
+    min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS
+    """`sal_core.policies.PolicySettings.min_match_tokens` (``routing.prefix_min_match_tokens``)."""
 
     def __post_init__(self) -> None:
+        if self.gateways < 1:
+            raise SimulationError(f"gateways must be >= 1, got {self.gateways}")
+        if self.gateway_split not in GATEWAY_SPLITS:
+            raise SimulationError(
+                f"gateway_split must be one of {', '.join(GATEWAY_SPLITS)}, "
+                f"got {self.gateway_split!r}"
+            )
+        if self.cache_source not in CACHE_SOURCES:
+            raise SimulationError(
+                f"cache_source must be one of {', '.join(CACHE_SOURCES)}, got {self.cache_source!r}"
+            )
         if self.accounting not in ACCOUNTING:
             raise SimulationError(
                 f"accounting must be one of {', '.join(ACCOUNTING)}, got {self.accounting!r}"
@@ -130,17 +169,35 @@ class SimResult:
     end_s: float
     """Virtual time at which the run ended."""
     final_beta: float
-    """SAL's beta estimate after the last finished request."""
+    """SAL's beta estimate after the last finished request (gateway 0's)."""
+    decisions: list[RoutingRecord] = field(default_factory=list)
+    """Every routing decision, in arrival order."""
+
+
+class RoutingRecord(NamedTuple):
+    """One routing decision: who routed which request where, on how old a picture."""
+
+    time_s: float
+    """When the request arrived (and was routed)."""
+    gateway: int
+    replica: int
+    snapshot_s: float
+    """When the snapshot the gateway decided on was taken (its newest by then)."""
 
 
 ACCOUNTING = ("ticket", "reset")
 """Between-poll accounting rules (`RouterConfig.accounting`)."""
+GATEWAY_SPLITS = ("round_robin", "random")
+"""How arrivals are split among several gateways (`RouterConfig.gateway_split`)."""
 
 
 @dataclass(slots=True)
 class _Ticket:
     sent_s: float
-    prompt_tokens: int
+    queued_tokens: int
+    """Prefill tokens it adds to the replica's queue (its uncached prompt tokens)."""
+    kv_tokens: int
+    """Free KV tokens it takes (prompt tokens not in blocks a running request holds)."""
     counted: bool = True
 
 
@@ -150,7 +207,9 @@ class _RouterView:
 
     snapshot: ReplicaStats
     routed_tokens: int = 0
-    """Prompt tokens of routed requests the snapshot does not include (as far as we know)."""
+    """Prefill tokens of routed requests the snapshot does not include (as far as we know)."""
+    routed_kv_tokens: int = 0
+    """KV tokens those requests take (equal to `routed_tokens` without a prefix cache)."""
     in_flight: int = 0
     unacked: deque[_Ticket] = field(default_factory=deque)
 
@@ -162,15 +221,17 @@ class _RouterView:
             # The earlier rule: even requests routed while that poll was in flight drop off
             # the books (with `stats_delay_s` > 0, before the engine could count them).
             self.routed_tokens = 0
+            self.routed_kv_tokens = 0
             self.unacked.clear()
             return
         cutoff_s = snapshot.time - config.accounting_grace_s
         while self.unacked and self.unacked[0].sent_s < cutoff_s:
             self._uncount(self.unacked.popleft())
 
-    def route(self, prompt_tokens: int, now_s: float) -> _Ticket:
-        ticket = _Ticket(now_s, prompt_tokens)
-        self.routed_tokens += prompt_tokens
+    def route(self, queued_tokens: int, kv_tokens: int, now_s: float) -> _Ticket:
+        ticket = _Ticket(now_s, queued_tokens, kv_tokens)
+        self.routed_tokens += queued_tokens
+        self.routed_kv_tokens += kv_tokens
         self.in_flight += 1
         self.unacked.append(ticket)
         return ticket
@@ -183,17 +244,23 @@ class _RouterView:
     def _uncount(self, ticket: _Ticket) -> None:
         if ticket.counted:
             ticket.counted = False
-            self.routed_tokens -= ticket.prompt_tokens
+            self.routed_tokens -= ticket.queued_tokens
+            self.routed_kv_tokens -= ticket.kv_tokens
 
-    def backend_view(self, url: str) -> BackendView:
+    def backend_view(self, url: str, cache: CacheView) -> BackendView:
         snap = self.snapshot
         return BackendView(
             url=url,
             eligible=True,
             in_flight=self.in_flight,
-            free_kv_tokens=max(0, snap.free_kv_tokens - self.routed_tokens),
+            free_kv_tokens=max(0, snap.free_kv_tokens - self.routed_kv_tokens),
             queued_prefill_tokens=snap.queued_prefill_tokens + self.routed_tokens,
             max_num_batched_tokens=max(1, snap.max_num_batched_tokens),
+            cached_tokens=cache.cached_tokens,
+            cached_held_tokens=cache.held_tokens,
+            num_waiting=snap.num_waiting,
+            kv_tokens_total=snap.kv_blocks_total * snap.block_size,
+            indexed_tokens=cache.indexed_tokens,
         )
 
 
@@ -219,24 +286,47 @@ class Simulation:
         max_sim_s: float | None = None,
         policy: Policy | None = None,
     ) -> None:
-        """`policy` overrides the policy named in `router` (for what-if studies only)."""
+        """`policy` overrides the policy named in `router` (for what-if studies, one gateway)."""
         if not engines:
             raise SimulationError("need at least one replica")
         self._requests = sorted(requests, key=lambda r: r.arrival_s)
         self._engines = list(engines)
         self._submit = submit
-        self._router_cfg = router or RouterConfig()
-        self._policy: Policy = policy or make_policy(self._router_cfg.policy, self._router_cfg.seed)
-        self._beta = BetaEstimator(seed=self._router_cfg.beta_seed)
+        cfg = self._router_cfg = router or RouterConfig()
+        if policy is not None and cfg.gateways > 1:
+            raise SimulationError("a policy object can only stand in for one gateway")
+        settings = PolicySettings(min_match_tokens=cfg.min_match_tokens)
+        # Gateway 0 keeps the configured seed, so one gateway decides exactly as before.
+        self._policies: list[Policy] = [policy or make_policy(cfg.policy, cfg.seed, settings)]
+        self._policies += [
+            make_policy(cfg.policy, cfg.seed + g, settings) for g in range(1, cfg.gateways)
+        ]
+        self._betas = [BetaEstimator(seed=cfg.beta_seed) for _ in range(cfg.gateways)]
+        self._gateway_of = _split(len(self._requests), cfg)
         self._max_sim_s = math.inf if max_sim_s is None else max_sim_s
         self._urls = [f"sim://replica-{i}" for i in range(len(engines))]
         first_s = self._requests[0].arrival_s if self._requests else 0.0
-        self._views = [_RouterView(e.stats(first_s)) for e in self._engines]
+        self._views = [
+            [_RouterView(e.stats(first_s)) for e in self._engines] for _ in range(cfg.gateways)
+        ]
+        self._decisions: list[RoutingRecord] = []
+        # Each gateway keeps its own index of what it routed (approximate), or reads the
+        # engines' truth (oracle).
+        self._caches = [
+            _router_cache(cfg.cache_source, self._urls, views, self._engines)
+            for views in self._views
+        ]
+        # The paper's Eq. 2 counts every prompt token on every replica, also between polls.
+        self._account_cache = self._caches[0].enabled and self._policies[0].name != "sal_paper"
+        self._keys: dict[str, list[int]] = {}
+        self._predicted: dict[str, int] = {}
         self._busy = [False] * len(engines)
         self._pending: list[StepOutcome | None] = [None] * len(engines)
         self._heap: list[tuple[float, int, int, int]] = []
         self._seq = 0
-        self._snapshots: deque[tuple[float, list[ReplicaStats]]] = deque()
+        self._snapshots: list[deque[tuple[float, list[ReplicaStats]]]] = [
+            deque() for _ in range(cfg.gateways)
+        ]
         self._first_token_s: dict[str, float] = {}
         self._preemptions: dict[str, int] = {}
         self._replica_of: dict[str, int] = {}
@@ -250,19 +340,24 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._heap, (time_s, prio, self._seq, replica))
 
-    def _poll_times(self) -> list[float]:
-        """Poll instants whose snapshot some routing decision will read (sorted, unique)."""
+    def _poll_times(self, gateway: int) -> list[float]:
+        """Poll instants of `gateway` whose snapshot one of its decisions will read (sorted)."""
         period = self._router_cfg.poll_interval_s
         delay = self._router_cfg.stats_delay_s
-        indices = sorted(
-            {math.floor(max(0.0, r.arrival_s - delay) / period) for r in self._requests}
-        )
-        return [k * period for k in indices]
+        phase = period * gateway / self._router_cfg.gateways
+        indices = {
+            math.floor((max(0.0, r.arrival_s - delay) - phase) / period)
+            for r, g in zip(self._requests, self._gateway_of, strict=True)
+            if g == gateway
+        }
+        return [k * period + phase for k in sorted(indices) if k >= 0]
 
     def run(self, progress: ProgressCallback | None = None) -> SimResult:
         """Replay the whole trace, let every request finish (or stop at `max_sim_s`)."""
-        for t in self._poll_times():
-            self._push(t, _PRIO_POLL, -1)
+        for gateway in range(self._router_cfg.gateways):
+            for t in self._poll_times(gateway):
+                # A poll event carries its gateway where a step event carries its replica.
+                self._push(t, _PRIO_POLL, gateway)
         total = len(self._requests)
         report_every = max(1, total // 100)
         next_report = report_every
@@ -282,7 +377,7 @@ class Simulation:
                 if now_s > self._max_sim_s:
                     break
                 if prio == _PRIO_POLL:
-                    self._take_snapshot(now_s)
+                    self._take_snapshot(replica, now_s)
                 else:
                     self._step_boundary(replica, now_s)
             else:
@@ -305,35 +400,57 @@ class Simulation:
             routed_per_replica=list(self._routed),
             steps=self._steps,
             end_s=now_s,
-            final_beta=self._beta.beta,
+            final_beta=self._betas[0].beta,
+            decisions=self._decisions,
         )
 
-    def _take_snapshot(self, now_s: float) -> None:
-        self._snapshots.append((now_s, [e.stats(now_s) for e in self._engines]))
+    def _take_snapshot(self, gateway: int, now_s: float) -> None:
+        self._snapshots[gateway].append((now_s, [e.stats(now_s) for e in self._engines]))
 
-    def _refresh_views(self, now_s: float) -> None:
-        """Apply the newest snapshot that has reached the router by `now_s`."""
+    def _refresh_views(self, gateway: int, now_s: float) -> None:
+        """Apply the newest snapshot that has reached `gateway` by `now_s`."""
         ready_by_s = now_s - self._router_cfg.stats_delay_s
+        snapshots = self._snapshots[gateway]
         latest: tuple[float, list[ReplicaStats]] | None = None
-        while self._snapshots and self._snapshots[0][0] <= ready_by_s:
-            latest = self._snapshots.popleft()
+        while snapshots and snapshots[0][0] <= ready_by_s:
+            latest = snapshots.popleft()
         if latest is None:
             return
-        for view, snap in zip(self._views, latest[1], strict=True):
+        for replica, (view, snap) in enumerate(zip(self._views[gateway], latest[1], strict=True)):
             view.apply(snap, self._router_cfg)
+            self._caches[gateway].on_snapshot(replica, snap.kv_blocks_total, snap.block_size)
 
     def _arrive(self, index: int, now_s: float) -> None:
         req = self._requests[index]
-        self._refresh_views(now_s)
-        backends = [v.backend_view(u) for v, u in zip(self._views, self._urls, strict=True)]
-        decision = self._policy.select(
-            RouteRequest(prompt_tokens=req.prompt_tokens, beta=self._beta.beta), backends
+        gateway = self._gateway_of[index]
+        self._refresh_views(gateway, now_s)
+        views = self._views[gateway]
+        cache = self._caches[gateway]
+        keys: list[int] = []
+        if cache.enabled and req.blocks is not None:
+            # The router sees the prompt only (the engine also caches repeated outputs).
+            keys = req.blocks.keys(cache.block_size)[: req.prompt_tokens // cache.block_size]
+        holds = cache.lookup(keys)
+        backends = [
+            v.backend_view(u, hold) for v, u, hold in zip(views, self._urls, holds, strict=True)
+        ]
+        decision = self._policies[gateway].select(
+            RouteRequest(req.prompt_tokens, self._betas[gateway].beta, _affinity_key(req)),
+            backends,
         )
         replica = decision.index
         request_id = f"r{index}"
         self._replica_of[request_id] = replica
         self._index_of[request_id] = index
-        self._tickets[request_id] = self._views[replica].route(req.prompt_tokens, now_s)
+        self._decisions.append(RoutingRecord(now_s, gateway, replica, views[0].snapshot.time))
+        hold = holds[replica] if self._account_cache else CacheView()
+        self._tickets[request_id] = views[replica].route(
+            req.prompt_tokens - hold.cached_tokens, req.prompt_tokens - hold.held_tokens, now_s
+        )
+        if keys:
+            cache.on_route(replica, keys)
+            self._keys[request_id] = keys
+            self._predicted[request_id] = holds[replica].cached_tokens
         self._routed[replica] += 1
         self._submit(self._engines[replica], request_id, now_s, req)
         if not self._busy[replica]:
@@ -370,8 +487,12 @@ class Simulation:
             request_id = finished.request_id
             index = self._index_of[request_id]
             req = self._requests[index]
-            self._views[replica].finish(self._tickets.pop(request_id), self._router_cfg)
-            self._beta.observe(req.prompt_tokens, req.output_tokens)
+            gateway = self._gateway_of[index]
+            self._views[gateway][replica].finish(self._tickets.pop(request_id), self._router_cfg)
+            keys = self._keys.pop(request_id, None)
+            if keys is not None:
+                self._caches[gateway].on_finish(replica, keys)
+            self._betas[gateway].observe(req.prompt_tokens, req.output_tokens)
             self._outcomes.append(
                 RequestOutcome(
                     request_id=request_id,
@@ -382,22 +503,57 @@ class Simulation:
                     first_token_s=first.pop(request_id, now_s),
                     finish_s=now_s,
                     num_preemptions=self._preemptions.pop(request_id, 0),
+                    cached_tokens=int(getattr(finished, "num_cached_tokens", 0)),
+                    predicted_cached_tokens=self._predicted.pop(request_id, 0),
                 )
             )
+
+
+def _split(n: int, config: RouterConfig) -> list[int]:
+    """The gateway of each of `n` arrivals (in arrival order)."""
+    k = config.gateways
+    if config.gateway_split == "random":
+        rng = random.Random(f"gateway-split-{config.seed}")
+        return [rng.randrange(k) for _ in range(n)]
+    return [i % k for i in range(n)]
+
+
+def _affinity_key(req: TraceRequest) -> str | None:
+    """What `prefix_affinity` hashes: the session, else the prompt's first chunk."""
+    if req.session is not None:
+        return req.session
+    first = req.blocks.first_chunk if req.blocks is not None else None
+    return None if first is None else f"chunk-{first}"
+
+
+def _router_cache(
+    source: str, urls: Sequence[str], views: Sequence[_RouterView], engines: Sequence[object]
+) -> RouterCache:
+    block_size = views[0].snapshot.block_size
+    if source != "oracle":
+        return RouterCache(source, urls, block_size)
+    if not all(isinstance(e, EngineModel) for e in engines):
+        raise SimulationError("the oracle cache source needs EngineModel replicas")
+    return RouterCache(source, urls, block_size, [e for e in engines if isinstance(e, EngineModel)])
 
 
 def submit_to_engine_model(
     engine: ReplicaEngine, request_id: str, arrival_s: float, req: TraceRequest
 ) -> None:
-    """The `RequestSubmitter` for `EngineModel` replicas (what `simulate()` uses)."""
+    """The `RequestSubmitter` for `EngineModel` replicas (what `simulate()` uses); with
+    prefix caching on, the request carries its block keys."""
     if not isinstance(engine, EngineModel):
         raise SimulationError(f"expected an EngineModel, got {type(engine).__name__}")
+    keys: list[int] = []
+    if engine.cache is not None and req.blocks is not None:
+        keys = req.blocks.keys(engine.config.block_size)
     engine.add_request(
         SimRequest(
             request_id=request_id,
             arrival_s=arrival_s,
             prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens,
+            block_keys=keys,
         )
     )
 
@@ -416,12 +572,13 @@ def simulate(
     progress: ProgressCallback | None = None,
     max_sim_s: float | None = None,
     policy: Policy | None = None,
+    enable_prefix_caching: bool = False,
 ) -> SimResult:
     """Replay `requests` through `replicas` `EngineModel`s of one cost profile.
 
     Engines use vLLM's defaults (block size 16, 256 sequences, a 2,048-token step budget,
     chunked prefill) and the KV capacity the profile's GPU memory leaves
-    (`CostProfile.num_kv_blocks`).
+    (`CostProfile.num_kv_blocks`); prefix caching only with `enable_prefix_caching`.
     """
     cost = get_profile(profile)
     config = EngineConfig(
@@ -432,6 +589,7 @@ def simulate(
         scheduler=scheduler,
         alpha=alpha,
         model_name=profile,
+        enable_prefix_caching=enable_prefix_caching,
     )
     engines = [EngineModel(config, cost) for _ in range(replicas)]
     sim = Simulation(

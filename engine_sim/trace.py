@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine_sim.workloads import TokenBlocks
 
 
 class TraceError(ValueError):
@@ -39,6 +43,11 @@ class TraceRequest:
     """Prompt (context) tokens, >= 1."""
     output_tokens: int
     """Forced output length (``ignore_eos`` + ``max_tokens``), >= 1."""
+    blocks: TokenBlocks | None = None
+    """Prefix structure of its tokens (`engine_sim.workloads`); None: shares nothing with
+    any other request (the Azure traces)."""
+    session: str | None = None
+    """Conversation it belongs to (what a session header would carry); None: unknown."""
 
 
 def _parse_timestamp(text: str) -> float:

@@ -2,10 +2,13 @@
 
 `admit()` is called once per generation request by the app's handler, before routing. It
 reads the body within ``listen.body_timeout_s`` (plus `BODY_GRACE_S`; 408) and
-``proxy.max_body_bytes`` (413); decodes it on the loop when small, in the worker thread pool
-(yielding the GIL, see `request_body.decode_json`) when large, at most `LARGE_BODY_SLOTS`
-large requests at a time; refuses a request chat template unless the model trusts them and
-then renders it in `template_pool`; counts prompt tokens and checks the context length.
+``proxy.max_body_bytes`` (413); decodes and validates it on the loop up to
+`INLINE_BODY_BYTES`, and counts its prompt there when short (``proxy.tokenize_in_thread_chars``
+characters, `INLINE_MESSAGES`); anything larger or longer goes to a worker process
+(`body_pool`), so that no work that grows with the request holds the loop's GIL; reads at
+most `LARGE_BODY_SLOTS` very large bodies at a time; refuses a request chat template unless
+the model trusts them and then renders it in `template_pool`; counts prompt tokens and
+checks the context length.
 `forward_headers()` builds what goes upstream; `request_id_of()` reads `FrontDoor`'s id.
 """
 
@@ -13,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import re
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from sal_gateway.api_body import parse_api_body
+from sal_gateway.endpoints import ApiEndpoint, serves
 from sal_gateway.errors import (
     BadRequest,
     BodyTooLarge,
@@ -31,7 +35,8 @@ from sal_gateway.errors import (
 from sal_gateway.front_door import new_request_id
 from sal_gateway.proxy import upstream_headers
 from sal_gateway.request_body import Endpoint, InboundRequest, parse_body
-from sal_gateway.tokenizer import PromptCount, PromptCounter, check_length
+from sal_gateway.tokenizer import PromptCount, PromptCounter, check_length, text_size
+from sal_gateway.trace_hooks import trace_of
 
 if TYPE_CHECKING:
     from sal_gateway.app import Runtime
@@ -40,13 +45,16 @@ BODY_GRACE_S = 1.0
 """The handler's own body deadline is this much later than ``listen.body_timeout_s``: under
 ``sal-gateway serve`` the HTTP protocol cuts first (`http_protocol`); this one serves other
 ASGI servers."""
-PARSE_IN_THREAD_BYTES = 256 * 1024
-"""Bodies larger than this are JSON-decoded and validated in the worker pool, not on the loop."""
+INLINE_BODY_BYTES = 64 * 1024
+"""Bodies up to this are decoded and validated on the loop (the C decoder takes well under a
+millisecond); larger ones in a `body_pool` worker process, with their counting."""
+INLINE_MESSAGES = 32
+"""Chat requests with more messages than this are rendered and counted in a worker."""
 LARGE_BODY_SLOTS = 4
-"""Requests with a body over `PARSE_IN_THREAD_BYTES` (declared, or chunked) read, decode and
-count at most this many at a time: bounds their memory (slots x ``proxy.max_body_bytes``)
-and the GIL time their decoding takes from the event loop. Others wait, within their body
-deadline."""
+"""Requests with a body over `LARGE_BODY_BYTES` (declared, or chunked) are read and
+admitted at most this many at a time: bounds their memory (slots x
+``proxy.max_body_bytes``). Others wait, within their body deadline."""
+LARGE_BODY_BYTES = 256 * 1024
 
 
 async def read_body(request: Request, max_body_bytes: int, timeout_s: float | None = None) -> bytes:
@@ -114,22 +122,62 @@ def forward_headers(request: Request, rt: Runtime, request_id: str) -> dict[str,
     return headers
 
 
-async def _parse(raw: bytes, endpoint: Endpoint, rt: Runtime) -> InboundRequest:
-    max_n = rt.config.limits.max_n
-    if len(raw) <= PARSE_IN_THREAD_BYTES:
-        return parse_body(raw, endpoint, max_n=max_n)
-    parse = functools.partial(parse_body, raw, endpoint, max_n=max_n, yielding=True)
-    return await asyncio.get_running_loop().run_in_executor(rt.executor, parse)
+def _parse_inline(raw: bytes, endpoint: Endpoint | ApiEndpoint, rt: Runtime) -> InboundRequest:
+    """Decode and validate a small body on the loop (`INLINE_BODY_BYTES`)."""
+    if isinstance(endpoint, ApiEndpoint):
+        return parse_api_body(raw, endpoint, default_model=default_model(rt))
+    return parse_body(raw, endpoint, max_n=rt.config.limits.max_n)
+
+
+def default_model(rt: Runtime) -> str | None:
+    """The model a request without ``model`` goes to: the only one configured, else none."""
+    models = rt.config.models
+    return models[0].name if len(models) == 1 else None
+
+
+def _check_runner(endpoint: Endpoint | ApiEndpoint, inbound: InboundRequest, rt: Runtime) -> None:
+    """A pooling endpoint for a generation model (or the reverse) would only meet vLLM's
+    404 for a route it did not mount: refuse it here, saying why."""
+    model = rt.config.model(inbound.model)
+    if (
+        isinstance(endpoint, ApiEndpoint)
+        and model is not None
+        and not serves(endpoint, model.runner)
+    ):
+        raise BadRequest(
+            f"model `{model.name}` runs as `{model.runner}` (models[].runner): "
+            f"{endpoint.path} needs a `{endpoint.family.value}` model",
+            param="model",
+        )
+    if isinstance(endpoint, Endpoint) and model is not None and model.runner != "generate":
+        raise BadRequest(
+            f"model `{model.name}` is a pooling model (models[].runner): "
+            f"{endpoint.value} needs a `generate` model",
+            param="model",
+        )
+
+
+def _truncated(count: PromptCount, inbound: InboundRequest, max_len: int | None) -> PromptCount:
+    """The count after vLLM's ``truncate_prompt_tokens`` (-1: to the context length)."""
+    limit = max_len if inbound.truncate_to == -1 else inbound.truncate_to
+    if limit is None:
+        return count
+    # vLLM keeps the prompt's last tokens: the block keys of its start no longer apply.
+    return PromptCount(tuple(min(n, limit) for n in count.per_prompt), count.estimated)
 
 
 async def _count(
-    rt: Runtime, counter: PromptCounter, inbound: InboundRequest, raw: bytes
+    rt: Runtime,
+    counter: PromptCounter,
+    inbound: InboundRequest,
+    raw: bytes,
+    count: PromptCount | None,
 ) -> PromptCount:
-    """Prompt tokens; a request template is refused unless trusted, then rendered in a
-    killable worker process (`template_pool`)."""
-    thread_above = rt.config.proxy.tokenize_in_thread_chars
+    """Prompt tokens (`count` when a worker counted them already); a request template is
+    refused unless trusted, then rendered in a killable worker process (`template_pool`)
+    and its output counted on the loop when short, in a body worker when long."""
     if inbound.chat_template is None:
-        return await counter.count(inbound, rt.executor, thread_above)
+        return count if count is not None else counter.count_sync(inbound, _block_size(rt, inbound))
     model = rt.config.model(inbound.model)
     if model is None or not model.trust_request_chat_template or rt.templates is None:
         raise TemplateRefused(
@@ -137,10 +185,22 @@ async def _count(
             "can allow them with models[].trust_request_chat_template)",
             param="chat_template",
         )
-    if not counter.has_tokenizer:
-        return counter.count_sync(inbound)  # the estimate needs no rendering
+    if not counter.has_tokenizer:  # the estimate needs no rendering
+        return count if count is not None else counter.count_sync(inbound, _block_size(rt, inbound))
     text = await rt.templates.render(raw, counter.special_tokens)
-    return await counter.count_rendered(text, inbound, rt.executor, thread_above)
+    add_special = bool(inbound.body.get("add_special_tokens", False))
+    if len(text) <= rt.config.proxy.tokenize_in_thread_chars or rt.bodies is None:
+        return PromptCount((counter.encode_len(text, add_special),), False)
+    return PromptCount((await rt.bodies.count_text(inbound.model, text, add_special),), False)
+
+
+def _block_size(rt: Runtime, inbound: InboundRequest) -> int | None:
+    """The KV block size to key `inbound`'s prompt blocks by (None: no cache tracking)."""
+    return None if rt.prefix is None else rt.prefix.block_size(inbound.model)
+
+
+def _block_sizes(rt: Runtime) -> dict[str, int] | None:
+    return None if rt.prefix is None else rt.prefix.block_sizes()
 
 
 def count_rejection(rt: Runtime, exc: GatewayError) -> None:
@@ -150,18 +210,28 @@ def count_rejection(rt: Runtime, exc: GatewayError) -> None:
         rt.metrics.rejected.labels(reason="template").inc()
 
 
+def _costly_to_count(inbound: InboundRequest, max_inline_chars: int) -> bool:
+    """Whether counting `inbound`'s prompt (template rendering, tokenization: a few
+    microseconds per character) belongs in a worker process rather than on the loop."""
+    if inbound.chat_template is not None:
+        return False  # rendered in `template_pool`, then counted by `_count`
+    return text_size(inbound) > max_inline_chars or len(inbound.messages) > INLINE_MESSAGES
+
+
 def _is_large(request: Request) -> bool:
     declared = request.headers.get("content-length")
     if declared is None:
         return True  # chunked: could be anything up to the limit
-    return not declared.isdigit() or int(declared) > PARSE_IN_THREAD_BYTES
+    return not declared.isdigit() or int(declared) > LARGE_BODY_BYTES
 
 
 async def admit(
-    request: Request, endpoint: Endpoint, rt: Runtime
+    request: Request, endpoint: Endpoint | ApiEndpoint, rt: Runtime
 ) -> tuple[InboundRequest, bytes, PromptCount]:
-    """Read, validate and count one request (large ones within `LARGE_BODY_SLOTS`)."""
+    """Read, validate and count one request (large ones within `LARGE_BODY_SLOTS`): the
+    request, the body to forward and its prompt tokens."""
     deadline_s = rt.config.listen.body_timeout_s + BODY_GRACE_S
+    max_n = rt.config.limits.max_n
     async with contextlib.AsyncExitStack() as stack:
         if _is_large(request):
             try:
@@ -173,11 +243,30 @@ async def admit(
                     "among the large requests in progress)"
                 ) from None
         raw = await read_body(request, rt.config.proxy.max_body_bytes, deadline_s)
-        inbound = await _parse(raw, endpoint, rt)
+        count: PromptCount | None = None
+        bodies = rt.bodies
+        if bodies is not None and len(raw) > INLINE_BODY_BYTES:
+            inbound, count, raw = await bodies.admit(
+                raw, endpoint, max_n, default_model(rt), _block_sizes(rt)
+            )
+        else:
+            inbound = _parse_inline(raw, endpoint, rt)
+            inline_chars = rt.config.proxy.tokenize_in_thread_chars
+            if bodies is not None and _costly_to_count(inbound, inline_chars):
+                inbound, count, raw = await bodies.admit(
+                    raw, endpoint, max_n, default_model(rt), _block_sizes(rt)
+                )
         counter = rt.counters.get(inbound.model)
         if counter is None:
             raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
-        count = await _count(rt, counter, inbound, raw)
+        _check_runner(endpoint, inbound, rt)
+        trace = trace_of(request)
+        with trace.tokenize() as span:
+            count = await _count(rt, counter, inbound, raw, count)
+            if inbound.truncate_to is not None:
+                count = _truncated(count, inbound, counter.max_model_len)
+            span.counted(count)
         check_length(count, inbound.max_tokens, counter.max_model_len)
+        trace.admitted(inbound, count)
         return inbound, raw, count
     raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions

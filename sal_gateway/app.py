@@ -1,13 +1,16 @@
 """The FastAPI application: `create_app(config)`; everything stateful is built in the lifespan.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (alive), ``GET /ready`` (every model has an eligible backend, else 503),
-``GET /metrics`` (Prometheus). Every error is an OpenAI-style JSON body (`errors`), unknown
-paths (404), wrong methods (405) and framework validation (422) included; an unexpected
-exception is logged with the request id and answered 500 naming that id, never a traceback.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST`` every other
+endpoint of `endpoints.ENDPOINTS` (``/v1/responses``, ``/v1/embeddings``, ``/tokenize``,
+``/v1/rerank``, ...; same admission and `Forwarder`), ``GET /v1/models`` (the replicas'
+union, `model_catalog`), ``GET /health`` (alive), ``GET /ready`` (every model has an eligible
+backend, else 503), ``GET /metrics`` (Prometheus). Every error is an OpenAI-style JSON body
+(`errors`), unknown paths (404), wrong methods (405) and framework validation (422) included;
+an unexpected exception is logged with the request id and answered 500 naming that id, never
+a traceback.
 
 In front of the routes, `front_door.FrontDoor` sets the request id, checks API keys and
-limits concurrent generation requests; `admission.admit` reads, validates and counts each
+limits concurrent relayed requests; `admission.admit` reads, validates and counts each
 generation request within its bounds; `error_handlers` shapes the framework's errors.
 """
 
@@ -17,17 +20,19 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from sal_core.beta import BetaEstimator
+from sal_core.policies import Policy, PolicySettings, make_policy
 from sal_gateway import __version__
 from sal_gateway.admission import (
     LARGE_BODY_SLOTS,
@@ -37,8 +42,9 @@ from sal_gateway.admission import (
     request_id_of,
 )
 from sal_gateway.auth import KeyChecker, backend_key, is_loopback, load_keys
-from sal_gateway.beta import BetaEstimator
+from sal_gateway.body_pool import BodyPool
 from sal_gateway.config import GatewayConfig, ModelConfig
+from sal_gateway.endpoints import ENDPOINTS, LEGACY_PATHS, ApiEndpoint, route_policy
 from sal_gateway.error_handlers import error_response, install_error_handlers
 from sal_gateway.errors import (
     GatewayError,
@@ -46,13 +52,19 @@ from sal_gateway.errors import (
 from sal_gateway.front_door import FrontDoor
 from sal_gateway.loop_monitor import watch_loop
 from sal_gateway.metrics import GatewayMetrics
-from sal_gateway.policies import make_policy
+from sal_gateway.model_catalog import READ_TIMEOUT_S, ModelCatalog, http_fetch, refresh_models
 from sal_gateway.poller import Poller
+from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.proxy import Forwarder, make_session
 from sal_gateway.request_body import Endpoint
 from sal_gateway.state import StateTable
 from sal_gateway.template_pool import TemplatePool
-from sal_gateway.tokenizer import PromptCounter, load_model_tokenizer
+from sal_gateway.tokenizer import PromptCount, PromptCounter, load_model_tokenizer
+from sal_gateway.tracing import Tracing, TracingMiddleware, build_tracing, trace_of
+
+if TYPE_CHECKING:
+    from sal_core.stats import ReplicaStats
+    from sal_gateway.kv_subscriber import KvEventSubscribers
 
 logger = logging.getLogger("sal_gateway.app")
 
@@ -75,17 +87,27 @@ class Runtime:
     poller: Poller
     """Polls every backend on its own thread, loop and HTTP session."""
     forwarder: Forwarder
-    executor: ThreadPoolExecutor
     clock: Callable[[], float]
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     discovered: dict[str, set[str]] = field(default_factory=dict)
     templates: TemplatePool | None = None
     """Renderers of trusted request templates (None: no model trusts them)."""
+    bodies: BodyPool | None = None
+    """Workers for large bodies (None: not started, large bodies are handled inline)."""
     backend_key: str | None = None
     """Sent upstream as ``Authorization: Bearer`` (never the client's own)."""
     large_bodies: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(LARGE_BODY_SLOTS)
     )
+    fallback_policy: Policy | None = None
+    """Routes the requests the gateway cannot count (`endpoints.route_policy`); None: the
+    configured policy routes them too."""
+    catalog: ModelCatalog = field(default_factory=ModelCatalog)
+    """What each backend's ``/v1/models`` says it serves (`model_catalog`)."""
+    prefix: PrefixTracker | None = None
+    """What each replica holds in its prefix cache (None: ``routing.prefix_cache: off``)."""
+    kv_events: KvEventSubscribers | None = None
+    """Subscribers to the replicas' KV-cache events (``routing.prefix_cache: kv_events``)."""
 
     async def aclose(self) -> None:
         for task in self.tasks:
@@ -94,8 +116,37 @@ class Runtime:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.poller.stop_all()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.session.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def start_backend(self, model: ModelConfig, url: str) -> None:
+        """Poll a backend that joined `model`'s pool (and follow its KV events)."""
+        self.poller.start(model.name, url)
+        if self.kv_events is not None:
+            from sal_gateway.kv_subscriber import endpoint_for
+
+            explicit = dict(model.kv_events_endpoints)
+            port = self.config.routing.kv_events_port
+            self.kv_events.add(model.name, url, endpoint_for(url, port, explicit))
+
+    def on_stats(self, model: str, url: str, stats: ReplicaStats) -> None:
+        """Poll callback (main loop): what the prefix tracker learns from a good poll."""
+        if self.prefix is None:
+            return
+        grown = self.prefix.observe(model, url, stats)
+        metrics = self.metrics
+        if grown.query_tokens:
+            metrics.prefix_engine_query_tokens.labels(model, url).inc(grown.query_tokens)
+        if grown.hit_tokens:
+            metrics.prefix_engine_hit_tokens.labels(model, url).inc(grown.hit_tokens)
+        metrics.prefix_index_blocks.labels(model, url).set(self.prefix.indexed_blocks(model, url))
+
+    def prompt_blocks(self, counted: bool, count: PromptCount) -> PromptBlocks | None:
+        """What the prefix tracker looks up for one admitted request (None: nothing)."""
+        if self.prefix is None or not counted or len(count.per_prompt) != 1:
+            return None
+        return PromptBlocks(count.block_keys, count.per_prompt[0])
 
     def on_discovered(self, model: ModelConfig, urls: list[str]) -> None:
         """Discovery callback: add new backends (and poll them), drop vanished ones."""
@@ -104,11 +155,15 @@ class Runtime:
         wanted = set(urls)
         for url in sorted(wanted - current):
             if self.table.add_backend(model.name, url, model.fallback_max_num_batched_tokens):
-                self.poller.start(model.name, url)
+                self.start_backend(model, url)
         for url in sorted(current - wanted - static):
             self.poller.cancel(model.name, url)
             self.table.remove_backend(model.name, url)
             self.metrics.forget_backend(model.name, url)
+            if self.kv_events is not None:
+                self.kv_events.remove(model.name, url)
+            if self.prefix is not None:
+                self.prefix.forget(model.name, url)
         self.discovered[model.name] = wanted
 
 
@@ -137,6 +192,7 @@ async def build_runtime(
     metrics = GatewayMetrics(__version__)
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
     session = make_session(config.proxy)
+    prefix = None if routing.prefix_cache == "off" else PrefixTracker(routing.prefix_cache)
     # Polls run on their own thread, loop and connection pool, so they never queue behind
     # proxied streams or a saturated event loop (a late poll would make a busy but healthy
     # backend look stale).
@@ -144,12 +200,17 @@ async def build_runtime(
     forwarder = Forwarder(
         session=session,
         table=table,
-        policy=make_policy(routing.policy, routing.seed),
+        policy=make_policy(
+            routing.policy,
+            routing.seed,
+            PolicySettings(min_match_tokens=routing.prefix_min_match_tokens),
+        ),
         metrics=metrics,
         betas=betas,
         routing=routing,
         proxy=config.proxy,
         clock=clock,
+        prefix=prefix,
     )
     runtime = Runtime(
         config=config,
@@ -160,14 +221,23 @@ async def build_runtime(
         session=session,
         poller=poller,
         forwarder=forwarder,
-        executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="sal-tokenize"),
         clock=clock,
+        prefix=prefix,
     )
+    if prefix is not None:
+        poller.on_stats = runtime.on_stats
+    if prefix is not None and routing.prefix_cache == "kv_events":
+        from sal_gateway.kv_subscriber import KvEventSubscribers
+
+        runtime.kv_events = KvEventSubscribers(prefix, metrics, routing.kv_events_topic)
+    fallback = route_policy(False, routing.policy)
+    if fallback is not None:
+        runtime.fallback_policy = make_policy(fallback, routing.seed)
     for model in config.models:
         table.add_model(model.name)
         for url in model.backends:
             table.add_backend(model.name, url, model.fallback_max_num_batched_tokens)
-            poller.start(model.name, url)
+            runtime.start_backend(model, url)
         if model.discovery is not None:
             from sal_gateway.discovery import watch_dns
 
@@ -215,7 +285,7 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
     return work_task.result()
 
 
-async def _generate(request: Request, endpoint: Endpoint) -> Response:
+async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Response:
     rt: Runtime = request.app.state.runtime
     model_label = "unknown"  # unconfigured names never become label values
     try:
@@ -227,7 +297,18 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         headers = forward_headers(request, rt, request_id_of(request))
         # vLLM runs one engine request per choice: n (or best_of) times the prompt's load.
         load = count.total * inbound.fan_out
-        forward = rt.forwarder.forward(inbound, raw, headers, load)
+        policy = None if inbound.counted else rt.fallback_policy
+        session = rt.config.routing.session_header
+        forward = rt.forwarder.forward(
+            inbound,
+            raw,
+            headers,
+            load,
+            trace=trace_of(request),
+            policy=policy,
+            blocks=rt.prompt_blocks(inbound.counted, count),
+            affinity_key=None if session is None else request.headers.get(session),
+        )
         return await _unless_disconnected(request, forward)
     except ClientDisconnect:
         return Response(status_code=499)  # went away while sending its body
@@ -238,6 +319,31 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
                 model=model_label, backend=exc.backend or "none", status=str(exc.status)
             ).inc()
         return error_response(exc)
+
+
+def _relay_handler(endpoint: ApiEndpoint) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        return await _generate(request, endpoint)
+
+    return handler
+
+
+def _start_model_refresh(rt: Runtime) -> None:
+    """One `refresh_models` task per model (reads its backends' ``/v1/models``)."""
+    headers = {} if rt.backend_key is None else {"Authorization": f"Bearer {rt.backend_key}"}
+    fetch = http_fetch(rt.session, headers, READ_TIMEOUT_S)
+    for model in rt.config.models:
+        name = model.name
+
+        def backends(name: str = name) -> list[str]:
+            return [b.url for b in rt.table.backends(name)]
+
+        rt.tasks.append(
+            asyncio.create_task(
+                refresh_models(name, backends, fetch, rt.catalog, model.models_refresh_s),
+                name=f"models {name}",
+            )
+        )
 
 
 def _front_door(app: FastAPI, config: GatewayConfig) -> None:
@@ -266,21 +372,36 @@ def _front_door(app: FastAPI, config: GatewayConfig) -> None:
     )
 
 
+def _body_pool(config: GatewayConfig) -> BodyPool:
+    models = [
+        {"name": m.name, "tokenizer": m.tokenizer, "max_model_len": m.max_model_len}
+        for m in config.models
+    ]
+    limits = config.limits
+    return BodyPool(models, limits.body_workers, limits.body_max_waiting, limits.retry_after_s)
+
+
 def create_app(
     config: GatewayConfig,
     *,
     counters: Mapping[str, PromptCounter] | None = None,
     resolve: Resolver | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """The gateway app. `counters` (preloaded tokenizers, as the CLI does) avoids loading them
-    again; `resolve` replaces DNS resolution for discovery (tests); `clock` is monotonic."""
+    again; `resolve` replaces DNS resolution for discovery (tests); `clock` is monotonic;
+    `tracing` replaces the one ``config.tracing`` describes (tests: an in-memory exporter).
+    Raises `TracingError` when tracing is enabled but cannot be set up."""
     upstream_key = backend_key(config.auth)  # read now: a bad key file fails before serving
+    if tracing is None:
+        tracing = build_tracing(config.tracing, os.environ)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await build_runtime(config, counters=counters, resolve=resolve, clock=clock)
         runtime.backend_key = upstream_key
+        _start_model_refresh(runtime)
         runtime.tasks.append(
             asyncio.create_task(
                 watch_loop(runtime.metrics.loop_lag, runtime.metrics.loop_tasks),
@@ -293,13 +414,18 @@ def create_app(
                 TEMPLATE_WORKERS, limits.template_timeout_s, limits.retry_after_s
             )
             runtime.templates.start()
+        runtime.bodies = _body_pool(config)
+        runtime.bodies.start()
         app.state.runtime = runtime
         try:
             yield
         finally:
             if runtime.templates is not None:
                 await runtime.templates.aclose()
+            await runtime.bodies.aclose()
             await runtime.aclose()
+            if tracing is not None:  # flushes buffered spans: network I/O, off the loop
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="SAL gateway",
@@ -312,6 +438,8 @@ def create_app(
 
     install_error_handlers(app)
     _front_door(app, config)
+    if tracing is not None:  # outermost: rejected requests (401, 429) get their span too
+        app.add_middleware(TracingMiddleware, tracing=tracing)
 
     async def completions(request: Request) -> Response:
         return await _generate(request, Endpoint.COMPLETIONS)
@@ -323,14 +451,15 @@ def create_app(
     # gateway's CPU per request and these handlers take the raw request anyway.
     app.add_route("/v1/completions", completions, methods=["POST"])
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    for api_endpoint in ENDPOINTS:
+        if api_endpoint.path not in LEGACY_PATHS:
+            app.add_route(api_endpoint.path, _relay_handler(api_endpoint), methods=["POST"])
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        now = int(time.time())
-        data = [
-            {"id": m.name, "object": "model", "created": now, "owned_by": "sal-gateway"}
-            for m in config.models
-        ]
+    async def models(request: Request) -> Response:
+        rt: Runtime = request.app.state.runtime
+        pools = {m.name: [b.url for b in rt.table.backends(m.name)] for m in config.models}
+        data = rt.catalog.listing(pools, int(time.time()))
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/health")
@@ -347,9 +476,20 @@ def create_app(
             )
             for model in rt.table.models()
         }
-        is_ready = all(n > 0 for n in per_model.values())
+        # A model with no eligible backend still routes (degraded) to those whose engine
+        # progressed recently: the gateway stays ready, so a busy host's transient staleness
+        # does not also take it out of its load balancer.
+        max_age_s = config.routing.degraded_max_progress_age_s
+        degraded = [
+            model
+            for model, n in per_model.items()
+            if n == 0
+            and max_age_s > 0
+            and any(v.eligible for v in rt.table.degraded_views(model, now_s, max_age_s))
+        ]
+        is_ready = all(n > 0 or model in degraded for model, n in per_model.items())
         return JSONResponse(
-            {"ready": is_ready, "eligible_backends": per_model},
+            {"ready": is_ready, "eligible_backends": per_model, "degraded_models": degraded},
             status_code=200 if is_ready else 503,
         )
 

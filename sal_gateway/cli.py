@@ -1,30 +1,96 @@
 """Command line: ``sal-gateway serve --config PATH [--host H] [--port P]``, ``--version``.
 
+Other installed packages add subcommands through the entry-point group
+``sal_gateway.commands`` (see `Command`): ``sal-gateway demo`` is `engine_sim.demo`'s, so the
+gateway package never imports the simulator.
+
 The config is validated and every tokenizer loaded *before* the server binds; a bad config or
 a tokenizer that cannot be loaded offline exits with status 2 and one line on stderr naming
 the problem. The server is uvicorn with uvloop and httptools (the fastest pair measured for
-this workload) and one worker process; its HTTP protocol is uvicorn's httptools one plus the
-header and body deadlines uvicorn lacks (`http_protocol`).
+this workload), one process, or ``listen.workers`` processes sharing the port
+(`sal_gateway.workers`); its HTTP protocol is uvicorn's httptools one plus the header and
+body deadlines uvicorn lacks (`http_protocol`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from typing import Protocol, runtime_checkable
 
 from sal_gateway import __version__
 from sal_gateway.auth import AuthConfigError
 from sal_gateway.config import ConfigError, GatewayConfig, load_config
 from sal_gateway.tokenizer import TokenizerLoadError
+from sal_gateway.tracing import TracingError
 
 EXIT_BAD_CONFIG = 2
+EXIT_STARTUP_FAILURE = 3
+"""uvicorn's own status when the server could not start (address in use, ...)."""
+COMMANDS_GROUP = "sal_gateway.commands"
+"""Entry-point group of the subcommands other packages contribute (name = subcommand)."""
+BUILTIN_COMMANDS = frozenset({"serve"})
 
 
-def _parser() -> argparse.ArgumentParser:
+@runtime_checkable
+class Command(Protocol):
+    """A ``sal-gateway`` subcommand contributed by another package.
+
+    Registered in ``pyproject.toml`` as
+    ``[project.entry-points."sal_gateway.commands"] NAME = "module:OBJECT"``; the object has
+    the subcommand's one-line `help`, its `description`, adds its flags in `add_arguments`
+    and runs in `run`, whose return value is the process's exit status.
+    """
+
+    @property
+    def help(self) -> str:
+        """One line for ``sal-gateway --help``."""
+
+    @property
+    def description(self) -> str:
+        """The subcommand's own ``--help`` text."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the subcommand's flags to its (sub)parser."""
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Run with the parsed flags; return the exit status."""
+
+
+def plugin_commands(found: Iterable[EntryPoint] | None = None) -> dict[str, Command]:
+    """The contributed subcommands by name, from `found` (default: the installed entry points).
+
+    An entry that cannot be loaded, is not a `Command`, repeats an earlier name or shadows a
+    built-in one is left out with one line on stderr: a broken add-on must not stop
+    ``sal-gateway serve``.
+    """
+    if found is None:
+        found = entry_points(group=COMMANDS_GROUP)
+    commands: dict[str, Command] = {}
+    for entry in found:
+        if entry.name in BUILTIN_COMMANDS or entry.name in commands:
+            print(f"sal-gateway: ignoring duplicate command {entry.name!r}", file=sys.stderr)
+            continue
+        try:
+            command = entry.load()
+        except Exception as exc:  # any import-time failure of an add-on, reported and skipped
+            print(f"sal-gateway: command {entry.name!r} not loaded: {exc!r}", file=sys.stderr)
+            continue
+        if not isinstance(command, Command):
+            print(f"sal-gateway: {entry.value} is not a command", file=sys.stderr)
+            continue
+        commands[entry.name] = command
+    return commands
+
+
+def _parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sal-gateway",
         description="SAL: a server-aware, token-aware OpenAI-compatible gateway for vLLM.",
@@ -35,15 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="path to config.yaml")
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
-    demo = sub.add_parser(
-        "demo",
-        help="run the gateway in front of N emulated vLLM replicas (no GPU needed)",
-        description="The gateway in front of emulated vLLM replicas in one process; "
-        "optionally drives a built-in load and prints a summary.",
-    )
-    from sal_gateway import demo as demo_module
-
-    demo_module.add_arguments(demo)
+    for name, command in sorted(commands.items()):
+        command.add_arguments(
+            sub.add_parser(name, help=command.help, description=command.description)
+        )
     return parser
 
 
@@ -56,8 +117,12 @@ def _with_listen(config: GatewayConfig, host: str | None, port: int | None) -> G
     return dataclasses.replace(config, listen=listen)
 
 
-def serve(config: GatewayConfig) -> None:
-    """Load tokenizers, then run uvicorn until interrupted (raises `TokenizerLoadError`)."""
+def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> None:
+    """Load tokenizers, then run uvicorn until interrupted (raises `TokenizerLoadError`).
+
+    With `sockets` (a `sal_gateway.workers` worker) uvicorn serves on those bound sockets
+    instead of binding ``listen.host:listen.port`` itself.
+    """
     import uvicorn
 
     from sal_gateway.app import Runtime, create_app, load_counters
@@ -78,17 +143,32 @@ def serve(config: GatewayConfig) -> None:
     # Tokenizers and transformers leave ~10^5 long-lived objects; every full garbage collection
     # would scan them all on the event loop's thread. Frozen, they are skipped.
     gc.freeze()
-    uvicorn.run(
-        app,
-        host=config.listen.host,
-        port=config.listen.port,
-        loop="uvloop",
-        http=deadline_protocol(listen.header_timeout_s, listen.body_timeout_s, on_timeout),
-        log_level=config.log_level,
-        access_log=False,  # one line per request costs ~10% throughput; metrics cover it
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=max(1, round(config.listen.keep_alive_s)),
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=listen.host,
+            port=listen.port,
+            loop="uvloop",
+            http=deadline_protocol(listen.header_timeout_s, listen.body_timeout_s, on_timeout),
+            log_level=config.log_level,
+            access_log=False,  # one line per request costs ~10% throughput; metrics cover it
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=max(1, round(listen.keep_alive_s)),
+        )
     )
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
+        server.run(sockets=sockets)
+    if not server.started:
+        sys.exit(EXIT_STARTUP_FAILURE)  # the bind failed; uvicorn logged why
+
+
+def serve_worker(config: GatewayConfig, sockets: list[socket.socket]) -> None:
+    """`serve` in a worker process: a config error exits 2 with one line, as `main` does."""
+    try:
+        serve(config, sockets)
+    except (TokenizerLoadError, AuthConfigError, TracingError) as exc:
+        print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
 
 
 def _one_line(exc: Exception) -> str:
@@ -97,11 +177,10 @@ def _one_line(exc: Exception) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``sal-gateway`` console script."""
-    args = _parser().parse_args(argv)
-    if args.command == "demo":
-        from sal_gateway import demo as demo_module
-
-        return demo_module.main(args)
+    commands = plugin_commands()
+    args = _parser(commands).parse_args(argv)
+    if args.command in commands:
+        return commands[args.command].run(args)
     try:
         config = _with_listen(load_config(args.config), args.host, args.port)
         if not 0 <= config.listen.port <= 65535:
@@ -109,9 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    if config.listen.workers > 1:
+        from sal_gateway.workers import WorkersError, run_workers
+
+        try:
+            return run_workers(config, serve_worker)
+        except WorkersError as exc:
+            print(f"sal-gateway: {exc}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
     try:
         serve(config)
-    except (TokenizerLoadError, AuthConfigError) as exc:
+    except (TokenizerLoadError, AuthConfigError, TracingError) as exc:
         print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     return 0

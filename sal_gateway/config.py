@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from sal_gateway.policies import POLICIES
+from sal_core.policies import DEFAULT_MIN_MATCH_TOKENS, POLICIES
 
 ENV_PREFIX = "SAL_GATEWAY__"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -54,6 +54,29 @@ class ListenConfig:
     body_timeout_s: float = 30.0
     """A request body must arrive completely within this many seconds of its headers; else
     408 and the connection is closed (slow-body clients)."""
+    workers: int = 1
+    """Gateway processes sharing `port` (``SO_REUSEPORT``: the kernel spreads connections
+    over them), so one host's cores can all serve. Each is a whole gateway: its own pollers,
+    between-poll accounting and metrics (`sal_gateway.workers`)."""
+    worker_ports_from: int | None = None
+    """With `workers` > 1, worker i also listens alone on this port + i (the whole API;
+    scrape each worker's ``/metrics`` there). None: `port` + 1 (any free ports when `port`
+    is 0)."""
+
+    def worker_ports(self) -> tuple[int, ...]:
+        """Each worker's own port (0: any free one); empty with one worker."""
+        if self.workers <= 1:
+            return ()
+        first = self.worker_ports_from
+        if first is None:
+            first = 0 if self.port == 0 else self.port + 1
+        if first == 0:
+            return (0,) * self.workers
+        return tuple(first + i for i in range(self.workers))
+
+
+MAX_WORKERS = 256
+"""Most gateway processes on one host (`ListenConfig.workers`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +115,22 @@ class ModelConfig:
     """Accept a request-supplied ``chat_template`` (like vLLM's
     ``--trust-request-chat-template``); rendered in a killable worker process within
     ``limits.template_timeout_s``. False: such requests get a 400."""
+    # --- E: API surface ---
+    runner: str = "generate"
+    """What the replicas run (vLLM's ``--runner``): ``generate`` (completions, chat,
+    responses, ...) or ``pooling`` (embeddings, pooling, classify, score, rerank). The
+    gateway sends each endpoint only to models whose runner serves it (`endpoints`)."""
+    models_refresh_s: float = 15.0
+    """How often each backend's ``/v1/models`` is read for the gateway's own ``/v1/models``
+    (the union of what the replicas serve, never an upstream call per client request)."""
+    kv_events_endpoints: tuple[tuple[str, str], ...] = ()
+    """``routing.prefix_cache: kv_events`` only: each backend URL's ZMQ endpoint of vLLM's
+    KV-cache event publisher (its ``--kv-events-config`` ``endpoint``, as seen from the
+    gateway), e.g. ``{"http://10.0.0.5:8000": "tcp://10.0.0.5:5557"}``. Backends not listed
+    use ``tcp://<backend host>:<routing.kv_events_port>``."""
+
+
+RUNNERS = ("generate", "pooling")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +138,7 @@ class RoutingConfig:
     """Backend selection and state polling."""
 
     policy: str = "sal"
-    """A name in `sal_gateway.policies.POLICIES`."""
+    """A name in `sal_core.policies.POLICIES`."""
     poll_interval_s: float = 0.1
     """Seconds between two polls of one backend's ``/stats`` (jittered by +-10%)."""
     poll_timeout_s: float = 0.5
@@ -117,10 +156,38 @@ class RoutingConfig:
     poll_backoff_max_s: float = 2.0
     """Longest wait between two polls of a failing backend: after a failed poll the next
     comes after ``poll_interval_s * 2**(failures)``, jittered, capped at this."""
+    degraded_max_progress_age_s: float = 10.0
+    """When no backend is eligible, route anyway (by fewest in-flight requests) to the
+    backends whose engine showed progress within this many seconds and not more than
+    ``stale_after_s`` later than the freshest one, instead of answering 503: a busy host can
+    make every backend look a little stale at once. Counted in
+    ``sal_degraded_routes_total``. 0 disables (503 as soon as none is eligible)."""
     accounting_grace_s: float = 0.05
     """Transit allowance of the between-poll accounting (>= 0): a snapshot written at t is
     taken to include only the requests routed before t minus this. Larger is more
     conservative (a request counts a little longer, never forgotten too early)."""
+    # --- prefix cache (issue 9) ------------------------------------------------------------
+    prefix_cache: str = "approximate"
+    """What the gateway knows of each replica's prefix cache, for cache-aware policies
+    (`sal` counts only the prompt tokens a replica does not hold): ``off`` (nothing: SAL is
+    the paper's Eq. 2), ``approximate`` (an index of the prompt blocks the gateway routed to
+    each replica, LRU-bounded by its KV capacity from ``/stats``), ``kv_events`` (the same,
+    corrected by vLLM's own KV-cache events; needs the ``kv-events`` extra and replicas
+    started with ``--kv-events-config``). Replicas whose ``/stats`` does not report prefix
+    caching on are never predicted to hold anything."""
+    session_header: str | None = None
+    """Request header whose value is the affinity key of affinity policies (a session or
+    conversation id); without it (or when absent) the prompt's first block is the key."""
+    kv_events_port: int = 5557
+    """``kv_events`` mode: the port of each backend's KV-event publisher, on the backend's
+    host, unless ``models[].kv_events_endpoints`` names its endpoint."""
+    kv_events_topic: str = ""
+    """``kv_events`` mode: the topic the publishers use (their ``--kv-events-config``
+    ``topic``; "" receives every topic)."""
+    prefix_min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS
+    """Cache-aware `sal` ignores a predicted hit shorter than this many tokens (>= 0): a
+    short match is usually an opening block every prompt shares (a system prompt), and
+    crediting it would make a replica that misses it lose every tie and never get it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,24 +197,42 @@ class ProxyConfig:
     connect_timeout_s: float = 2.0
     """Timeout to establish a TCP connection to a backend."""
     total_timeout_s: float = 600.0
-    """Timeout of the whole upstream exchange, streaming included. The only bound of a
-    non-streaming request: vLLM sends its headers only when generation ends."""
+    """Timeout of the whole upstream exchange, streaming included. The bound of a
+    non-streaming request (vLLM sends its headers only when generation ends), unless its
+    replica stops being alive while it waits (`stream_idle_spares_live_engines`): then it is
+    closed there after `stream_idle_timeout_s` and retried on another backend."""
     stream_header_timeout_s: float = 10.0
     """Streams only: timeout from sending the request to the response headers, which vLLM
     sends as soon as it accepts the request. On expiry the upstream connection is closed (vLLM
     aborts the request) and the request is retried on another backend (``routing.max_retries``)."""
     stream_idle_timeout_s: float = 60.0
-    """Streams only: longest silence (no byte from the backend) once the headers arrived; the
-    stream then ends with an SSE error event and the upstream connection is closed. It also
-    bounds time queued before the first token, as vLLM sends nothing while a request waits:
-    start replicas with ``--sse-keep-alive-interval`` below it if requests may queue longer."""
+    """Streams only: longest silence (no content byte from the backend; SSE comments such as
+    vLLM's ``--sse-keep-alive-interval`` ones do not count) once the headers arrived; the
+    stream then ends with an SSE error event and the upstream connection is closed. With
+    `stream_idle_spares_live_engines`, a silence on a replica whose engine is progressing is
+    not cut (the request is queued there behind other work)."""
+    stream_idle_spares_live_engines: bool = True
+    """Streams only: a stream silent for `stream_idle_timeout_s` is ended only when its
+    replica is not demonstrably alive (its ``/stats`` heartbeat and step no longer advance,
+    or its polls fail: not eligible); while the engine progresses the silent request is
+    queued behind others and waits, bounded by `total_timeout_s`. False: every silence of
+    `stream_idle_timeout_s` ends the stream, queued or not."""
     max_body_bytes: int = 10 * 1024 * 1024
     """Largest accepted request body (413 above)."""
     max_connections: int = 1024
     """Pooled upstream connections, all backends together."""
-    tokenize_in_thread_chars: int = 4096
-    """Prompts with more characters than this are tokenized in a worker thread, so that long
-    prompts do not stall the event loop (short ones are cheaper inline)."""
+    tokenize_in_thread_chars: int = 2048
+    """Prompts with more characters than this are tokenized off the event loop, in a body
+    worker process (`body_pool`; the name predates the processes), so that long prompts do
+    not stall the loop (short ones are cheaper inline than the round trip)."""
+    # --- D: re-route a stream before its first byte (issue 8) ---------------------------
+    first_byte_hold_s: float = 10.0
+    """Streams only: the client's response headers are held back until the backend's first
+    body byte, at most this long, so that a backend that fails after its headers but before
+    sending anything (connection reset or closed, or an empty stream) can be replaced by
+    another one (``routing.max_retries``): the client has seen nothing. Past it the headers
+    are sent and the stream is relayed as before (never retried). 0: headers at once."""
+    # --- end D ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +248,13 @@ class LimitsConfig:
     """Largest accepted ``n`` and ``best_of`` (vLLM runs one engine request per choice)."""
     template_timeout_s: float = 2.0
     """Time budget of rendering one request-supplied chat template (then 400)."""
+    body_workers: int = 2
+    """Worker processes that decode, validate and count large request bodies (`body_pool`)
+    off the event loop. Each loads every model's tokenizer (~0.5 GiB resident with
+    transformers); more than the gateway's cores only add memory. At least 1."""
+    body_max_waiting: int = 16
+    """Large requests waiting for a body worker beyond this get a 429 with ``Retry-After``
+    at once (a flood of large bodies is refused, not queued in memory)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +278,35 @@ class AuthConfig:
     """Environment variable holding the backend key."""
 
 
+# --- helper F: OpenTelemetry tracing ---------------------------------------------------------
+
+TRACE_EXPORTERS = ("otlp_http", "otlp_grpc", "console")
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """Optional OpenTelemetry tracing (`sal_gateway.tracing`; needs the ``otel`` extra).
+
+    The standard ``OTEL_*`` environment variables take precedence over these keys where both
+    name the same thing (docs/gateway.md, "Tracing")."""
+
+    enabled: bool = False
+    """Export one span tree per request. False: no tracing code runs and the OpenTelemetry
+    packages are never imported. ``OTEL_SDK_DISABLED=true`` turns it off too."""
+    exporter: str = "otlp_http"
+    """``otlp_http`` (OTLP/HTTP protobuf, port 4318), ``otlp_grpc`` (port 4317) or
+    ``console`` (spans printed to stdout, for a quick look)."""
+    endpoint: str | None = None
+    """Collector URL, e.g. ``http://otel-collector:4318`` (``/v1/traces`` is appended to an
+    OTLP/HTTP URL without a path). None: ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, else the
+    SDK default (``http://localhost:4318/v1/traces`` or ``localhost:4317``)."""
+    service_name: str = "sal-gateway"
+    """The ``service.name`` resource attribute (``OTEL_SERVICE_NAME`` overrides it)."""
+    sample_ratio: float = 1.0
+    """Fraction of new traces recorded (0..1), parent-based: a request whose ``traceparent``
+    says sampled (or not) follows its caller. ``OTEL_TRACES_SAMPLER`` overrides it."""
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The whole gateway configuration (``config.yaml``)."""
@@ -199,6 +320,8 @@ class GatewayConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     log_level: str = "info"
     """One of critical, error, warning, info, debug."""
+    # helper F: OpenTelemetry tracing
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def model(self, name: str) -> ModelConfig | None:
         """The model config served as `name`, or None."""
@@ -301,7 +424,29 @@ def _listen(path: str, data: Mapping[str, Any]) -> ListenConfig:
         body_timeout_s=_as_float(
             f"{path}.body_timeout_s", data.get("body_timeout_s", d.body_timeout_s)
         ),
+        **_workers(path, data, port),
     )
+
+
+def _workers(path: str, data: Mapping[str, Any], port: int) -> dict[str, Any]:
+    workers = _as_int(f"{path}.workers", data.get("workers", 1), 1)
+    if workers > MAX_WORKERS:
+        raise ConfigError(f"{path}.workers: must be <= {MAX_WORKERS}, got {workers}")
+    first = data.get("worker_ports_from")
+    if first is not None:
+        first = _as_int(f"{path}.worker_ports_from", first, 0)
+    listen = ListenConfig(port=port, workers=workers, worker_ports_from=first)
+    ports = [p for p in listen.worker_ports() if p]
+    if ports and ports[-1] > 65535:
+        raise ConfigError(
+            f"{path}.worker_ports_from: {workers} worker ports from {ports[0]} pass 65535"
+        )
+    if port and port in ports:
+        raise ConfigError(
+            f"{path}.worker_ports_from: the worker ports {ports[0]}-{ports[-1]} include "
+            f"{path}.port {port}"
+        )
+    return {"workers": workers, "worker_ports_from": first}
 
 
 def _discovery(path: str, data: Mapping[str, Any]) -> DiscoveryConfig:
@@ -355,7 +500,66 @@ def _model(path: str, data: Mapping[str, Any]) -> ModelConfig:
         trust_request_chat_template=_as_bool(
             f"{path}.trust_request_chat_template", data.get("trust_request_chat_template", False)
         ),
+        runner=_runner(f"{path}.runner", data.get("runner", "generate")),
+        models_refresh_s=_as_float(f"{path}.models_refresh_s", data.get("models_refresh_s", 15.0)),
+        kv_events_endpoints=_kv_endpoints(
+            f"{path}.kv_events_endpoints", data.get("kv_events_endpoints") or {}
+        ),
     )
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://")
+_HEADER_NAME = frozenset(
+    "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+def _zmq_endpoint(path: str, value: object) -> str:
+    endpoint = _as_str(path, value)
+    if not endpoint.startswith(_ZMQ_SCHEMES) or len(endpoint) <= len("tcp://"):
+        raise ConfigError(
+            f"{path}: expected a ZMQ endpoint tcp://host:port or ipc://path, got {endpoint!r}"
+        )
+    return endpoint
+
+
+def _kv_endpoints(path: str, value: object) -> tuple[tuple[str, str], ...]:
+    mapping = _as_mapping(path, value)
+    return tuple(
+        (_backend_url(f"{path}[{url!r}]", url), _zmq_endpoint(f"{path}[{url!r}]", endpoint))
+        for url, endpoint in mapping.items()
+    )
+
+
+def _session_header(path: str, value: object) -> str | None:
+    if value is None:
+        return None
+    name = _as_str(path, value)
+    if not set(name) <= _HEADER_NAME or len(name) > 128:
+        raise ConfigError(f"{path}: not a valid HTTP header name: {name!r}")
+    return name.lower()
+
+
+def _prefix_mode(path: str, value: object) -> str:
+    modes = ("off", "approximate", "kv_events")
+    if value not in modes:
+        raise ConfigError(f"{path}: expected one of {', '.join(modes)}, got {value!r}")
+    if value == "kv_events":
+        import importlib.util
+
+        missing = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(
+                f"{path}: kv_events needs {' and '.join(missing)} (pip install "
+                "'sal-gateway[kv-events]')"
+            )
+    return str(value)
+
+
+def _runner(path: str, value: object) -> str:
+    if value not in RUNNERS:
+        raise ConfigError(f"{path}: expected one of {', '.join(RUNNERS)}, got {value!r}")
+    return str(value)
 
 
 def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
@@ -391,10 +595,38 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
         poll_backoff_max_s=_as_float(
             f"{path}.poll_backoff_max_s", data.get("poll_backoff_max_s", d.poll_backoff_max_s)
         ),
+        degraded_max_progress_age_s=_nonnegative(
+            f"{path}.degraded_max_progress_age_s",
+            data.get("degraded_max_progress_age_s", d.degraded_max_progress_age_s),
+        ),
         accounting_grace_s=_nonnegative(
             f"{path}.accounting_grace_s", data.get("accounting_grace_s", d.accounting_grace_s)
         ),
+        prefix_cache=_prefix_mode(f"{path}.prefix_cache", data.get("prefix_cache", d.prefix_cache)),
+        session_header=_session_header(f"{path}.session_header", data.get("session_header")),
+        kv_events_port=_port(
+            f"{path}.kv_events_port", data.get("kv_events_port", d.kv_events_port)
+        ),
+        kv_events_topic=_topic(f"{path}.kv_events_topic", data.get("kv_events_topic", "")),
+        prefix_min_match_tokens=_as_int(
+            f"{path}.prefix_min_match_tokens",
+            data.get("prefix_min_match_tokens", d.prefix_min_match_tokens),
+            0,
+        ),
     )
+
+
+def _port(path: str, value: object) -> int:
+    port = _as_int(path, value, 1)
+    if port > 65535:
+        raise ConfigError(f"{path}: must be <= 65535, got {port}")
+    return port
+
+
+def _topic(path: str, value: object) -> str:
+    if not isinstance(value, str) or len(value) > 256:
+        raise ConfigError(f"{path}: expected a string of at most 256 characters, got {value!r:.80}")
+    return value
 
 
 def _proxy(path: str, data: Mapping[str, Any]) -> ProxyConfig:
@@ -412,12 +644,19 @@ def _proxy(path: str, data: Mapping[str, Any]) -> ProxyConfig:
         total_timeout_s=num("total_timeout_s"),
         stream_header_timeout_s=num("stream_header_timeout_s"),
         stream_idle_timeout_s=num("stream_idle_timeout_s"),
+        stream_idle_spares_live_engines=_as_bool(
+            f"{path}.stream_idle_spares_live_engines",
+            data.get("stream_idle_spares_live_engines", d.stream_idle_spares_live_engines),
+        ),
         max_body_bytes=count("max_body_bytes"),
         max_connections=count("max_connections"),
         tokenize_in_thread_chars=_as_int(
             f"{path}.tokenize_in_thread_chars",
             data.get("tokenize_in_thread_chars", d.tokenize_in_thread_chars),
             0,
+        ),
+        first_byte_hold_s=_nonnegative(
+            f"{path}.first_byte_hold_s", data.get("first_byte_hold_s", d.first_byte_hold_s)
         ),
     )
 
@@ -436,6 +675,8 @@ def _limits(path: str, data: Mapping[str, Any]) -> LimitsConfig:
         retry_after_s=_as_int(f"{path}.retry_after_s", get("retry_after_s"), 0),
         max_n=_as_int(f"{path}.max_n", get("max_n"), 1),
         template_timeout_s=_as_float(f"{path}.template_timeout_s", get("template_timeout_s")),
+        body_workers=_as_int(f"{path}.body_workers", get("body_workers"), 1),
+        body_max_waiting=_as_int(f"{path}.body_max_waiting", get("body_max_waiting"), 0),
     )
 
 
@@ -464,6 +705,34 @@ def _auth(path: str, data: Mapping[str, Any]) -> AuthConfig:
     )
 
 
+def _tracing(path: str, data: Mapping[str, Any]) -> TracingConfig:  # helper F
+    _check_keys(path, data, TracingConfig)
+    d = TracingConfig()
+    exporter = _as_str(f"{path}.exporter", data.get("exporter", d.exporter))
+    if exporter not in TRACE_EXPORTERS:
+        known = ", ".join(TRACE_EXPORTERS)
+        raise ConfigError(f"{path}.exporter: expected one of {known}, got {exporter!r}")
+    endpoint = _optional_str(f"{path}.endpoint", data.get("endpoint", d.endpoint))
+    if endpoint is not None:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"{path}.endpoint: expected an http(s)://host:port URL, got {endpoint!r}"
+            )
+    ratio = _as_float(
+        f"{path}.sample_ratio", data.get("sample_ratio", d.sample_ratio), positive=False
+    )
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"{path}.sample_ratio: must be within 0..1, got {ratio!r}")
+    return TracingConfig(
+        enabled=_as_bool(f"{path}.enabled", data.get("enabled", d.enabled)),
+        exporter=exporter,
+        endpoint=endpoint,
+        service_name=_as_str(f"{path}.service_name", data.get("service_name", d.service_name)),
+        sample_ratio=ratio,
+    )
+
+
 def build_config(data: object) -> GatewayConfig:
     """Validate plain data (as decoded from YAML) into a `GatewayConfig`."""
     root = _as_mapping("<root>", data)
@@ -489,6 +758,7 @@ def build_config(data: object) -> GatewayConfig:
         limits=_limits("limits", _as_mapping("limits", root.get("limits") or {})),
         auth=_auth("auth", _as_mapping("auth", root.get("auth") or {})),
         log_level=log_level,
+        tracing=_tracing("tracing", _as_mapping("tracing", root.get("tracing") or {})),
     )
 
 

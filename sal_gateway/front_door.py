@@ -7,10 +7,10 @@
    forward it upstream) and adds ``X-Request-Id`` to the response, whatever produced it;
 2. unless the path is in ``auth.open_paths``, requires an accepted API key (401 with
    ``WWW-Authenticate: Bearer`` otherwise);
-3. counts generation requests in progress and refuses those beyond
-   ``limits.max_concurrent_requests`` with a 429 and ``Retry-After``. A request counts from
-   its first byte to the end of its response, the whole stream included: this is a plain ASGI
-   wrapper around the call, not a ``BaseHTTPMiddleware`` (which ends at the headers).
+3. counts relayed requests (every endpoint of `endpoints.ENDPOINTS`) in progress and refuses
+   those beyond ``limits.max_concurrent_requests`` with a 429 and ``Retry-After``. A request
+   counts from its first byte to the end of its response, the whole stream included: this is a
+   plain ASGI wrapper around the call, not a ``BaseHTTPMiddleware`` (which ends at the headers).
 
 Pure ASGI so the streaming path stays as cheap as before (no per-chunk wrapping beyond the
 response-start message).
@@ -25,9 +25,11 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sal_gateway.auth import KeyChecker
+from sal_gateway.endpoints import RELAYED_PATHS
 from sal_gateway.errors import GatewayError, TooManyRequests, Unauthorized, error_body
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = RELAYED_PATHS
+"""Every relayed endpoint counts against the limit (`endpoints.ENDPOINTS`)."""
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = b"x-request-id"
 

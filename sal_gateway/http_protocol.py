@@ -11,7 +11,9 @@ protocol class made by `deadline_protocol()` (passed to uvicorn as ``http=``) ad
   not a handler reads the body; else a 408 (or just a close once a response started). The
   generation handlers have their own deadline a grace second later, for other servers;
 * a **header size** cap (``MAX_HEADER_BYTES``; httptools itself has none): 431 and close;
-* protocol-level 400s (unparsable HTTP) in the OpenAI error shape.
+* protocol-level 400s (unparsable HTTP) in the OpenAI error shape, counted
+  (``invalid_http``), and uvicorn's warning for each of them rate-limited
+  (`ClientFaultLogLimit`): one client sending garbage must not flood the log.
 
 Such an answer is followed by a *lingering close*: our side of the connection is shut for
 writing, what the client still sends is read and dropped for up to ``LINGER_S``, then the
@@ -19,14 +21,16 @@ connection is closed. Closing at once with unread input would make the kernel se
 and the client would lose the 408 it was being sent.
 
 Keep-alive is unchanged: between requests uvicorn's ``timeout_keep_alive`` governs.
-`on_timeout(reason)` is called once per cut connection (``header_timeout`` or
-``body_timeout``), for ``sal_rejected_requests_total``.
+`on_timeout(reason)` is called once per cut or refused connection (``header_timeout``,
+``body_timeout`` or ``invalid_http``), for ``sal_rejected_requests_total``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +65,47 @@ def _raw_error(status: int, message: str) -> bytes:
 
 class _HeadersTooLarge(Exception):
     pass
+
+
+CLIENT_FAULT_LOG_EVERY_S = 10.0
+CLIENT_FAULT_MESSAGES = frozenset(
+    {"Invalid HTTP request received.", "Unsupported upgrade request."}
+)
+"""uvicorn's warnings (logger ``uvicorn.error``) that any client can cause at will."""
+
+
+class ClientFaultLogLimit(logging.Filter):
+    """Passes each of `CLIENT_FAULT_MESSAGES` at most once per `every_s`, the next one that
+    passes saying how many were dropped; every other record passes untouched. Installed on
+    uvicorn's logger by `deadline_protocol()` (the counts are in the metrics anyway)."""
+
+    def __init__(
+        self, every_s: float = CLIENT_FAULT_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.clock = clock
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = record.msg
+        if not isinstance(key, str) or key not in CLIENT_FAULT_MESSAGES:
+            return True
+        now = self.clock()
+        last = self._seen.get(key)
+        if last is not None and now - last[0] < self.every_s:
+            self._seen[key] = (last[0], last[1] + 1)
+            return False
+        if last is not None and last[1]:
+            record.msg = f"{key} ({last[1]} similar since last logged)"
+        self._seen[key] = (now, 0)
+        return True
+
+
+def limit_client_fault_logs(logger: logging.Logger) -> None:
+    """Install one `ClientFaultLogLimit` on `logger` (idempotent)."""
+    if not any(isinstance(f, ClientFaultLogLimit) for f in logger.filters):
+        logger.addFilter(ClientFaultLogLimit())
 
 
 class DeadlineProtocol(HttpToolsProtocol):
@@ -178,6 +223,8 @@ class DeadlineProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
+        if self.on_timeout is not None and not self._lingering:
+            self.on_timeout("invalid_http")
         if self._headers_too_large:
             self._answer_and_close(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
         else:
@@ -190,7 +237,9 @@ def deadline_protocol(
     on_timeout: Callable[[str], None] | None = None,
 ) -> type[DeadlineProtocol]:
     """A `DeadlineProtocol` subclass with these settings (uvicorn instantiates it per
-    connection, so the settings are class attributes)."""
+    connection, so the settings are class attributes). Also rate-limits uvicorn's
+    client-fault warnings (`limit_client_fault_logs`)."""
+    limit_client_fault_logs(logging.getLogger("uvicorn.error"))
     return type(
         "ConfiguredDeadlineProtocol",
         (DeadlineProtocol,),

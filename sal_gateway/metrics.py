@@ -65,7 +65,14 @@ _LOOP_LAG_BUCKETS_S = (
     2.5,
     5.0,
 )
-REJECT_REASONS = ("unauthorized", "over_limit", "body_timeout", "header_timeout", "template")
+REJECT_REASONS = (
+    "unauthorized",
+    "over_limit",
+    "body_timeout",
+    "header_timeout",
+    "template",
+    "invalid_http",
+)
 """Values of ``sal_rejected_requests_total{reason}``."""
 
 
@@ -235,6 +242,73 @@ class GatewayMetrics:
             registry=r,
         )
         # --- end C ---------------------------------------------------------------------
+        # --- D: streams re-routed before their first byte (issue 8) ---------------------
+        self.first_byte_failures = Counter(
+            "sal_first_byte_failures",
+            "Streams whose backend failed after its headers but before any body byte, while "
+            "the client had seen nothing (retried elsewhere, sal_retries_total), by reason: "
+            "closed (connection reset or closed) or empty (ended without content)",
+            [*_MB, "reason"],
+            registry=r,
+        )
+        # --- end D ---------------------------------------------------------------------
+        self.degraded_routes = Counter(
+            "sal_degraded_routes",
+            "Requests routed while no backend was eligible, to a backend whose engine "
+            "progressed recently (routing.degraded_max_progress_age_s) instead of a 503",
+            _MB,
+            registry=r,
+        )
+        # --- prefix cache (issue 9; `prefix_cache`, `kv_events`) ---------------------------
+        self.prefix_lookup_tokens = Counter(
+            "sal_prefix_lookup_prompt_tokens",
+            "Prompt tokens of requests routed with a prefix-cache prediction "
+            "(routing.prefix_cache), by the backend chosen",
+            _MB,
+            registry=r,
+        )
+        self.prefix_predicted_hit_tokens = Counter(
+            "sal_prefix_predicted_hit_tokens",
+            "Of those, the leading tokens the gateway predicted the chosen backend to hold in "
+            "its prefix cache (predicted hit rate: this / sal_prefix_lookup_prompt_tokens)",
+            _MB,
+            registry=r,
+        )
+        self.prefix_engine_query_tokens = Counter(
+            "sal_prefix_engine_query_tokens",
+            "Prompt tokens the backend's engine looked up in its prefix cache, from its "
+            "/stats (vLLM's prefix_cache_queries; every client of the engine)",
+            _MB,
+            registry=r,
+        )
+        self.prefix_engine_hit_tokens = Counter(
+            "sal_prefix_engine_hit_tokens",
+            "Of those, the tokens the engine found cached (achieved hit rate: this / "
+            "sal_prefix_engine_query_tokens)",
+            _MB,
+            registry=r,
+        )
+        self.prefix_index_blocks = Gauge(
+            "sal_prefix_index_blocks",
+            "KV blocks the gateway's prefix index holds for the backend (at its last poll)",
+            _MB,
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "sal_kv_events",
+            "vLLM KV-cache events applied to the prefix index (routing.prefix_cache: "
+            "kv_events), by kind: stored_blocks, removed_blocks, cleared",
+            [*_MB, "kind"],
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "sal_kv_events_dropped",
+            "KV-cache event messages or events dropped, by reason (garbled, oversized, gap, "
+            "unknown_parent, foreign: another block size, medium, group, LoRA or extra keys; "
+            "backlog: the gateway's loop fell behind)",
+            [*_MB, "reason"],
+            registry=r,
+        )
 
     def series(self, model: str, backend: str, policy: str) -> BackendSeries:
         """The cached per-request children for (model, backend, policy)."""

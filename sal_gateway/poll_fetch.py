@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from sal_gateway.stats import ReplicaStats, StatsSchemaError, parse_stats
+from sal_core.stats import ReplicaStats, StatsSchemaError, parse_stats
 from sal_gateway.vllm_metrics import MetricsParseError, parse_vllm_metrics
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

@@ -35,11 +35,11 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from sal_core.stats import ReplicaStats
 from sal_gateway.config import RoutingConfig
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.poll_fetch import PollFailed, StateFetcher, make_poll_session
 from sal_gateway.state import StateTable
-from sal_gateway.stats import ReplicaStats
 
 logger = logging.getLogger("sal_gateway.poller")
 
@@ -122,8 +122,11 @@ class Poller:
         *,
         wall_clock: Callable[[], float] = time.time,
         session_factory: Callable[[], aiohttp.ClientSession] = make_poll_session,
+        on_stats: Callable[[str, str, ReplicaStats], None] | None = None,
     ) -> None:
         self._table = table
+        self.on_stats = on_stats
+        """Called on the main loop with every good poll's state (the prefix tracker)."""
         self._metrics = metrics
         self._routing = routing
         self._clock = clock
@@ -335,6 +338,8 @@ class Poller:
             wall_s=outcome.received_wall_s if outcome.source == "stats" else None,
             sent_s=outcome.sent_s,
         )
+        if self.on_stats is not None:
+            self.on_stats(model, url, outcome.stats)
         progress_age_s = backend.progress_age_s(outcome.received_s) or 0.0
         if progress_age_s > self._table.stale_after_s:
             self._metrics.poll_errors.labels(model, url, "no_progress").inc()

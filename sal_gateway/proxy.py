@@ -1,9 +1,9 @@
-"""Forwarding one request to the best backend, with bounded retries, and relaying the answer.
+"""Selection and retry: forwarding one request to the best backend that will take it.
 
-The app calls `Forwarder.forward()` once per validated request. Client stack: one pooled
-``aiohttp.ClientSession`` per app (built in the lifespan). httpx's pool collapses under
-hundreds of concurrent streams (issue #2 measured p99 3.4 s at 200 streams with
-``httpx.AsyncClient`` against 0.4 s with aiohttp); the gateway-bench script measures it again.
+The app calls `Forwarder.forward()` once per validated request. The forwarder asks the
+routing policy for a backend, sends the request (`upstream`'s pooled session), retries what
+cannot have generated anything, and hands the answer to `relay.relay_answer`; how each
+exchange ends is booked by `accounting.Accounting`.
 
 Timeouts follow how vLLM answers (see docs/gateway.md):
 
@@ -13,8 +13,14 @@ Timeouts follow how vLLM answers (see docs/gateway.md):
   ``proxy.stream_header_timeout_s``. On expiry the upstream connection is closed (vLLM aborts
   the request: nothing runs twice), the backend is marked suspect and the request is retried
   like a connect failure; when every attempt timed out, 504.
-* Once a stream's headers arrived, `relay.RelayResponse` bounds each silence by
-  ``proxy.stream_idle_timeout_s`` and never retries.
+* A stream's headers are held back from the client until the backend's first body byte
+  (at most ``proxy.first_byte_hold_s``). A backend that fails in that window (connection
+  reset or closed, or the stream ended without content) has sent the client nothing: its
+  connection is closed, it is marked suspect and the request is retried like a connect
+  failure (``sal_first_byte_failures_total``). Once the first byte went out (or the hold
+  expired and the headers did), `relay.RelayResponse` bounds each silence by
+  ``proxy.stream_idle_timeout_s`` (unless the replica's engine is demonstrably progressing:
+  the request is queued there, `idle_watch`) and never retries: the client may have content.
 
 Other failures:
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -41,83 +48,57 @@ from collections.abc import Callable, Mapping
 import aiohttp
 from starlette.responses import Response
 
-from sal_gateway.beta import BetaEstimator
+from sal_core.beta import BetaEstimator
+from sal_core.policies import BackendView, LeastRequests, NoEligibleBackend, Policy, RouteRequest
+from sal_gateway.accounting import Accounting
 from sal_gateway.config import ProxyConfig, RoutingConfig
 from sal_gateway.errors import GatewayError, NoBackendAvailable, UpstreamError, UpstreamTimeout
+from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.metrics import GatewayMetrics
-from sal_gateway.policies import NoEligibleBackend, Policy, RouteRequest
-from sal_gateway.relay import Exchange, RelayResponse, sse_error_event, stream_error
+from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
+from sal_gateway.relay import Exchange, Head, is_event_stream, relay_answer, sse_error_event
 from sal_gateway.request_body import InboundRequest
 from sal_gateway.state import StateTable
-from sal_gateway.usage import usage_from_json, with_usage_requested
+from sal_gateway.trace_hooks import NO_TRACE, RequestTrace
+from sal_gateway.upstream import RETRYABLE, make_session, upstream_headers
+from sal_gateway.usage import with_usage_requested
 
 __all__ = ["Forwarder", "make_session", "sse_error_event", "upstream_headers"]
 
 logger = logging.getLogger("sal_gateway.proxy")
-
-# Connection-level failures before any response byte: safe to try another backend.
-_RETRYABLE = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ConnectionTimeoutError,  # connect timeout (a TimeoutError too: listed first)
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-)
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-# Set by our own server (uvicorn) or by the Response object; forwarding them would duplicate.
-_SERVER_OWN = frozenset({"content-type", "date", "server"})
 
 
 class _HeaderTimeout(Exception):
     """A stream's headers did not come within ``proxy.stream_header_timeout_s``."""
 
 
-def make_session(proxy: ProxyConfig) -> aiohttp.ClientSession:
-    """The app's one pooled upstream client (call inside a running loop, in the lifespan)."""
-    connector = aiohttp.TCPConnector(
-        limit=proxy.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=4.0,  # below uvicorn's (and vLLM's) 5 s keep-alive: no reuse race
-        ttl_dns_cache=10,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=proxy.connect_timeout_s),
-        auto_decompress=False,  # bytes pass through as the backend sent them
-        skip_auto_headers=("User-Agent",),
-    )
+class _ReplicaStalled(Exception):
+    """A non-streamed answer's replica stopped being alive while the request waited on it
+    (`idle_watch`): the connection was closed, the client has seen nothing."""
 
 
-def upstream_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """Client request headers worth forwarding (hop-by-hop ones dropped)."""
-    forwarded = {
-        k: v
-        for k, v in headers.items()
-        if k.lower() not in _HOP_BY_HOP and k.lower() != "content-type"
-    }
-    # The body was validated as JSON; vLLM's FastAPI only parses it when it is labelled so.
-    forwarded["Content-Type"] = "application/json"
-    return forwarded
+class _Retry(Exception):
+    """An attempt failed before the client saw anything and before the backend could have
+    generated: try the next backend (its connection is closed already)."""
+
+    def __init__(self, url: str, cause: Exception, *, header_timeout: bool = False) -> None:
+        super().__init__(f"{url}: {cause}")
+        self.url = url
+        self.cause = cause
+        self.header_timeout = header_timeout
 
 
-def _response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    return {
-        k: v
-        for k, v in resp.headers.items()
-        if k.lower() not in _HOP_BY_HOP and k.lower() not in _SERVER_OWN
-    }
+def _excluding(views: list[BackendView], exclude: set[str]) -> list[BackendView]:
+    """`views` with the backends in `exclude` (already tried) made ineligible."""
+    if not exclude:
+        return views
+    return [dataclasses.replace(v, eligible=False) if v.url in exclude else v for v in views]
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task itself is being cancelled (not just what it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class Forwarder:
@@ -134,8 +115,10 @@ class Forwarder:
         routing: RoutingConfig,
         proxy: ProxyConfig,
         clock: Callable[[], float] = time.monotonic,
+        prefix: PrefixTracker | None = None,
     ) -> None:
         self._session = session
+        self._prefix = prefix
         self._table = table
         self._policy = policy
         self._metrics = metrics
@@ -144,38 +127,83 @@ class Forwarder:
         self._proxy = proxy
         self._clock = clock
         self._decision_seconds = metrics.routing_decision_seconds.labels(policy=policy.name)
+        self._degraded_policy = LeastRequests()
+        self.accounting = Accounting(
+            metrics=metrics,
+            betas=betas,
+            policy_name=policy.name,
+            stream_idle_timeout_s=proxy.stream_idle_timeout_s,
+        )
         self._total_timeout = aiohttp.ClientTimeout(
             total=proxy.total_timeout_s, sock_connect=proxy.connect_timeout_s
         )
-        # sock_read is aiohttp's own idle bound: rearmed by every byte the backend sends (and
-        # paused while a slow client holds reading back), so it measures the backend alone.
+        # A stream's idle bound is the relay's `IdleWatch` (it tells a queued request on a
+        # live engine from a frozen replica), not aiohttp's sock_read.
         self._stream_timeout = aiohttp.ClientTimeout(
-            total=proxy.total_timeout_s,
-            sock_connect=proxy.connect_timeout_s,
-            sock_read=proxy.stream_idle_timeout_s,
+            total=proxy.total_timeout_s, sock_connect=proxy.connect_timeout_s
         )
 
-    def select(self, model: str, prompt_tokens: int, exclude: set[str]) -> str:
-        """The policy's choice for `model` among backends not in `exclude` (records metrics)."""
-        views = self._table.views(model, self._clock())
-        if exclude:
-            views = [
-                dataclasses.replace(v, eligible=False) if v.url in exclude else v for v in views
-            ]
+    def select(
+        self,
+        model: str,
+        prompt_tokens: int,
+        exclude: set[str],
+        trace: RequestTrace = NO_TRACE,
+        policy: Policy | None = None,
+        blocks: PromptBlocks | None = None,
+        affinity_key: str | None = None,
+    ) -> str:
+        """The policy's choice for `model` among backends not in `exclude` (records metrics
+        and, when tracing, the decision on the request's span); `policy` replaces the
+        configured one (requests the gateway could not count). With `blocks`, each view
+        carries what its backend is predicted to hold of the prompt (`PrefixTracker`)."""
+        chosen = self._policy if policy is None else policy
+        now_s = self._clock()
+        views = _excluding(self._table.views(model, now_s), exclude)
+        if blocks is not None and self._prefix is not None:
+            self._prefix.annotate(model, views, blocks)
         beta = self._betas[model].beta if model in self._betas else self._routing.beta_seed
+        if affinity_key is None and blocks is not None and blocks.keys:
+            affinity_key = str(blocks.keys[0])
+        route = RouteRequest(prompt_tokens, beta, affinity_key)
         started = time.perf_counter()
+        degraded = False
         try:
-            decision = self._policy.select(RouteRequest(prompt_tokens, beta), views)
+            try:
+                decision = chosen.select(route, views)
+            except NoEligibleBackend:
+                # None eligible: the freshest-progressing backends, by fewest in flight.
+                max_age_s = self._routing.degraded_max_progress_age_s
+                if max_age_s <= 0:
+                    raise
+                views = _excluding(self._table.degraded_views(model, now_s, max_age_s), exclude)
+                chosen, degraded = self._degraded_policy, True
+                decision = chosen.select(route, views)
         except NoEligibleBackend:
             raise NoBackendAvailable(f"no eligible backend for model {model!r}") from None
         finally:
-            self._decision_seconds.observe(time.perf_counter() - started)
-        self._metrics.series(model, decision.url, self._policy.name).routing_decisions.inc()
+            elapsed_s = time.perf_counter() - started
+            if policy is None:
+                self._decision_seconds.observe(elapsed_s)
+            else:
+                self._metrics.routing_decision_seconds.labels(policy=policy.name).observe(elapsed_s)
+        self._metrics.series(model, decision.url, chosen.name).routing_decisions.inc()
+        if blocks is not None and self._prefix is not None:
+            self._metrics.prefix_lookup_tokens.labels(model, decision.url).inc(blocks.prompt_tokens)
+            self._metrics.prefix_predicted_hit_tokens.labels(model, decision.url).inc(
+                views[decision.index].cached_tokens
+            )
+        if degraded:
+            self._metrics.degraded_routes.labels(model=model, backend=decision.url).inc()
+            logger.warning(
+                "no eligible backend for model %s: degraded routing to %s", model, decision.url
+            )
+        trace.routed(chosen.name, decision.url, decision.score)
         if logger.isEnabledFor(logging.DEBUG):
             view = views[decision.index]
             logger.debug(
                 "route model=%s prompt_tokens=%d -> %s score=%.4g (free_kv=%d queued=%d "
-                "in_flight=%d beta=%.3g)",
+                "in_flight=%d beta=%.3g cached=%d held=%d)",
                 model,
                 prompt_tokens,
                 decision.url,
@@ -184,6 +212,8 @@ class Forwarder:
                 view.queued_prefill_tokens,
                 view.in_flight,
                 beta,
+                view.cached_tokens,
+                view.cached_held_tokens,
             )
         return decision.url
 
@@ -193,81 +223,198 @@ class Forwarder:
         raw_body: bytes,
         headers: Mapping[str, str],
         prompt_tokens: int,
+        trace: RequestTrace = NO_TRACE,
+        policy: Policy | None = None,
+        blocks: PromptBlocks | None = None,
+        affinity_key: str | None = None,
     ) -> Response:
-        """Send `inbound` to the best backend and return the response to relay.
+        """Send `inbound` to the best backend (chosen by `policy`, default the configured
+        one) and return the response to relay. `blocks` (the prompt's block keys) and
+        `affinity_key` (a session header) inform cache-aware and affinity policies; the
+        chosen backend's prefix entry holds `blocks` until the request ends.
 
         Retries (at most ``routing.max_retries``, each on a backend not tried yet) only what
-        cannot have generated anything: connect failures and streams whose headers timed out
-        (their connection is closed first, so vLLM aborts them)."""
+        cannot have generated anything and what the client has seen nothing of: connect
+        failures, streams whose headers timed out, and streams whose backend failed after
+        its headers but before any body byte (`_first_body`). Each failed connection is
+        closed first, so vLLM aborts what it had accepted. All attempts failed: 502, or 504
+        when every one was a header timeout."""
         model = inbound.model
-        path = inbound.endpoint.value
         tried: set[str] = set()
-        timed_out = 0
-        last_error: Exception | None = None
-        failed_url = ""
+        failures: list[_Retry] = []
         # Ask streams for usage (beta and token counters need it) without the client seeing it.
-        injected = with_usage_requested(inbound.body, raw_body) if inbound.stream else None
+        ask = inbound.stream and inbound.ask_stream_usage
+        injected = with_usage_requested(inbound.body, raw_body) if ask else None
         body = raw_body if injected is None else injected
         for _attempt in range(self._routing.max_retries + 1):
             try:
-                url = self.select(model, prompt_tokens, tried)
+                url = self.select(model, prompt_tokens, tried, trace, policy, blocks, affinity_key)
             except NoBackendAvailable:
-                if last_error is None:
+                if not failures:
                     raise
                 break
-            if last_error is not None:  # this is a retry of what failed on `failed_url`
-                self._metrics.retries.labels(model=model, backend=failed_url).inc()
+            if failures:  # this is a retry of what failed on the last backend tried
+                self._metrics.retries.labels(model=model, backend=failures[-1].url).inc()
             ticket = self._table.route(model, url, prompt_tokens)
+            if blocks is not None and self._prefix is not None:
+                ticket.on_release = self._prefix.hold(model, url, blocks)
             ex = Exchange(
-                model, url, ticket, time.perf_counter(), prompt_tokens, injected is not None
+                model,
+                url,
+                ticket,
+                time.perf_counter(),
+                prompt_tokens,
+                injected is not None,
             )
+            ex.span = trace.upstream(url, inbound.upstream_path)
+            ex.idle_s = self._proxy.stream_idle_timeout_s
+            if self._proxy.stream_idle_spares_live_engines:
+                ex.live = functools.partial(self._is_live, model, url)
             try:
-                resp = await self._open(url + path, body, headers, inbound.stream)
-            except (*_RETRYABLE, _HeaderTimeout) as exc:
-                StateTable.release(ticket)
+                return await self._attempt(ex, inbound, body, headers)
+            except _Retry as failure:
+                ex.span.end(None, failure.cause)
+                StateTable.release(ex.ticket)
                 self._table.mark_suspect(model, url)
                 tried.add(url)
-                last_error, failed_url = exc, url
-                if isinstance(exc, _HeaderTimeout):
-                    timed_out += 1
-                    self._count_timeout(ex, "header")
-                    logger.warning("%s: %s", url, exc)
-                else:
-                    logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
-                continue
-            except GatewayError as exc:
-                StateTable.release(ticket)
-                exc.backend = url
-                if isinstance(exc, UpstreamTimeout):
-                    self.upstream_cancelled(ex, "total_timeout")
-                raise
-            except BaseException:  # cancelled: the client went away while we waited
-                StateTable.release(ticket)
-                self.upstream_cancelled(ex, "client_disconnect")
-                self._metrics.requests.labels(model=model, backend=url, status="499").inc()
-                raise
-            return await self._relay(ex, inbound, resp)
+                failures.append(failure)
         message = (
             f"could not reach a backend for model {model!r} after {len(tried)} attempt(s): "
-            f"{last_error}"
+            f"{failures[-1].cause}"
         )
-        raise UpstreamTimeout(message) if timed_out == len(tried) else UpstreamError(message)
+        if all(f.header_timeout for f in failures):
+            raise UpstreamTimeout(message)
+        raise UpstreamError(message)
+
+    async def _post_watched(
+        self, url: str, body: bytes, headers: Mapping[str, str], ex: Exchange
+    ) -> aiohttp.ClientResponse:
+        """A non-streamed exchange: its headers come when generation ends, so it is bounded
+        by the total timeout, except that a replica which stops being alive meanwhile
+        (`ex.live`, judged after `ex.idle_s` and every second after) is given up on: the
+        connection is closed (vLLM aborts the request when it resumes) and `_ReplicaStalled`
+        raised, which `forward` retries elsewhere."""
+        post = self._session.post(url, data=body, headers=headers, timeout=self._total_timeout)
+        if ex.live is None:
+            return await post
+        task = asyncio.ensure_future(post)
+        loop = asyncio.get_running_loop()
+
+        def give_up() -> None:
+            task.cancel()  # closes the connection: vLLM aborts the request
+
+        watch = IdleWatch(loop, ex.idle_s, ex.live, give_up)
+        watch.start()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if watch.fired and not _being_cancelled():
+                raise _ReplicaStalled from None
+            raise
+        finally:
+            watch.stop()
+
+    def _is_live(self, model: str, url: str) -> bool:
+        return self._table.is_live(model, url, self._clock())
+
+    async def _attempt(
+        self, ex: Exchange, inbound: InboundRequest, body: bytes, headers: Mapping[str, str]
+    ) -> Response:
+        """One exchange with `ex.backend`: the client's response, or `_Retry` (the ticket is
+        then the caller's to release; every other path settles it)."""
+        url = ex.backend
+        try:
+            resp = await self._open(
+                url + inbound.upstream_path, body, ex.span.inject(headers), inbound.stream, ex
+            )
+        except RETRYABLE as exc:
+            logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
+            raise _Retry(url, exc) from None
+        except _ReplicaStalled:
+            self.accounting.count_timeout(ex, "idle")
+            logger.warning(
+                "%s stopped progressing while a non-streamed request waited there for %s s: "
+                "closed, retrying elsewhere",
+                url,
+                self._proxy.stream_idle_timeout_s,
+            )
+            cause = UpstreamTimeout(f"{url} stopped progressing while the request waited")
+            raise _Retry(url, cause) from None
+        except _HeaderTimeout as exc:
+            self.accounting.count_timeout(ex, "header")
+            logger.warning("%s: %s", url, exc)
+            raise _Retry(url, exc, header_timeout=True) from None
+        except GatewayError as exc:
+            StateTable.release(ex.ticket)
+            exc.backend = url
+            if isinstance(exc, UpstreamTimeout):
+                self.accounting.upstream_cancelled(ex, "total_timeout")
+            ex.span.end(None, exc)
+            raise
+        except BaseException:  # cancelled: the client went away while we waited
+            StateTable.release(ex.ticket)
+            self.accounting.upstream_cancelled(ex, "client_disconnect")
+            self._metrics.requests.labels(model=ex.model, backend=url, status="499").inc()
+            ex.span.end(None)
+            raise
+        head = Head()
+        if inbound.stream and is_event_stream(resp):
+            ex.headers_at_s = asyncio.get_running_loop().time()
+            head = await self._first_body(ex, resp)
+        return await relay_answer(self.accounting, ex, resp, inbound.stream, head)
+
+    async def _first_body(self, ex: Exchange, resp: aiohttp.ClientResponse) -> Head:
+        """Wait (at most ``proxy.first_byte_hold_s``) for a 200 stream's first body bytes
+        before the client's headers go out, so that a backend that fails before sending any
+        can still be replaced: the connection reset or closed, or the stream ended empty,
+        raises `_Retry` (connection closed, counted). The hold expiring, or the idle or
+        total bound, leaves it to the relay (headers, then what the relay does)."""
+        # Never past the idle bound: a frozen replica's stream gets its error event as soon.
+        hold_s = min(self._proxy.first_byte_hold_s, self._proxy.stream_idle_timeout_s)
+        if hold_s <= 0:
+            return Head()
+        bound = asyncio.timeout(hold_s)
+        try:
+            async with bound:  # readany is cancellation-safe: nothing read is lost
+                chunk = await resp.content.readany()
+        except TimeoutError as exc:  # the hold (nothing yet: relay as usual), or idle/total
+            return Head() if bound.expired() else Head(error=exc)
+        except aiohttp.ClientError as exc:  # reset, or closed in the middle of the body
+            resp.close()
+            self._count_first_byte_failure(ex, "closed")
+            raise _Retry(ex.backend, exc) from None
+        except BaseException:  # cancelled: the client went away while we waited
+            resp.close()
+            self.accounting.upstream_cancelled(ex, "client_disconnect")
+            self.accounting.finish(ex, 499, None)
+            raise
+        if not chunk:  # a clean end without a byte of content
+            resp.close()
+            self._count_first_byte_failure(ex, "empty")
+            raise _Retry(ex.backend, UpstreamError("the stream ended without content"))
+        return Head(chunk)
+
+    def _count_first_byte_failure(self, ex: Exchange, reason: str) -> None:
+        self._metrics.first_byte_failures.labels(ex.model, ex.backend, reason).inc()
+        logger.warning(
+            "stream from %s failed before its first byte (%s): retrying elsewhere",
+            ex.backend,
+            reason,
+        )
 
     async def _open(
-        self, url: str, body: bytes, headers: Mapping[str, str], stream: bool
+        self, url: str, body: bytes, headers: Mapping[str, str], stream: bool, ex: Exchange
     ) -> aiohttp.ClientResponse:
         """POST and wait for the response headers; raises what `forward` sorts out."""
         try:
             if not stream:
-                return await self._session.post(
-                    url, data=body, headers=headers, timeout=self._total_timeout
-                )
+                return await self._post_watched(url, body, headers, ex)
             # Leaving this block by timeout cancels the request: aiohttp closes its connection.
             async with asyncio.timeout(self._proxy.stream_header_timeout_s):
                 return await self._session.post(
                     url, data=body, headers=headers, timeout=self._stream_timeout
                 )
-        except _RETRYABLE:
+        except RETRYABLE:
             raise
         except TimeoutError:
             if stream:  # the header bound, or the idle bound if that one is shorter
@@ -279,82 +426,3 @@ class Forwarder:
             ) from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"backend request failed: {type(exc).__name__}: {exc}") from None
-
-    # --- reports from the relay (`relay.Settler`) ---------------------------------------
-
-    def first_byte(self, ex: Exchange) -> None:
-        """The backend started answering: prefill is done, time to first token known."""
-        StateTable.first_byte(ex.ticket)
-        self._metrics.series(ex.model, ex.backend, self._policy.name).ttft.observe(
-            time.perf_counter() - ex.start_s
-        )
-
-    def upstream_cancelled(self, ex: Exchange, reason: str) -> None:
-        """The gateway closed the connection of an unfinished upstream exchange."""
-        self._metrics.upstream_cancels.labels(ex.model, ex.backend, reason).inc()
-
-    def stream_failed(self, ex: Exchange, exc: BaseException) -> GatewayError:
-        """Count a stream broken after its headers; the error event the client gets."""
-        self._metrics.stream_errors.labels(model=ex.model, backend=ex.backend).inc()
-        if isinstance(exc, aiohttp.SocketTimeoutError):  # sock_read: the idle bound
-            self._count_timeout(ex, "idle")
-        elif isinstance(exc, TimeoutError):  # aiohttp's total bound
-            self.upstream_cancelled(ex, "total_timeout")
-        return stream_error(ex, exc, self._proxy.stream_idle_timeout_s)
-
-    def _count_timeout(self, ex: Exchange, kind: str) -> None:
-        self._metrics.stream_timeouts.labels(ex.model, ex.backend, kind).inc()
-        self.upstream_cancelled(ex, f"{kind}_timeout")
-
-    def finish(self, ex: Exchange, status: int, usage: tuple[int, int] | None) -> None:
-        """The exchange is over: release its ticket, record its metrics (once per exchange)."""
-        StateTable.release(ex.ticket)
-        elapsed_s = time.perf_counter() - ex.start_s
-        series = self._metrics.series(ex.model, ex.backend, self._policy.name)
-        if status == 200:
-            series.ok_requests.inc()
-        else:
-            self._metrics.requests.labels(ex.model, ex.backend, str(status)).inc()
-        if status < 400:
-            series.generation.observe(elapsed_s)
-        if usage is not None:
-            prompt, completion = usage
-            self._metrics.output_tokens.labels(model=ex.model).inc(completion)
-            beta = self._betas.get(ex.model)
-            if beta is not None:
-                beta.observe(prompt, completion)
-
-    async def _relay(
-        self, ex: Exchange, inbound: InboundRequest, resp: aiohttp.ClientResponse
-    ) -> Response:
-        content_type = resp.headers.get("Content-Type", "application/json")
-        if inbound.stream and resp.status == 200 and content_type.startswith("text/event-stream"):
-            return RelayResponse(self, ex, resp, _response_headers(resp), content_type)
-        try:
-            body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            resp.close()
-            err: UpstreamError
-            if isinstance(exc, TimeoutError):  # the total bound (or a stream's idle bound)
-                self.upstream_cancelled(ex, "total_timeout")
-                err = UpstreamTimeout(f"backend answer not complete in time: {exc}")
-            else:
-                err = UpstreamError(f"backend failed while answering: {type(exc).__name__}: {exc}")
-            self.finish(ex, err.status, None)
-            err.backend = ex.backend
-            err.counted = True
-            raise err from None
-        except BaseException:
-            resp.close()
-            self.upstream_cancelled(ex, "client_disconnect")
-            self.finish(ex, 499, None)
-            raise
-        self.first_byte(ex)
-        usage = None
-        if resp.status == 200 and "Content-Encoding" not in resp.headers:
-            usage = usage_from_json(body)
-        resp.release()
-        self.finish(ex, resp.status, usage)
-        return Response(
-            body, status_code=resp.status, headers=_response_headers(resp), media_type=content_type
-        )

@@ -1,16 +1,22 @@
-"""Relaying one upstream SSE stream to the client, byte for byte, with an idle bound.
+"""Relaying one upstream answer to the client: a stream byte for byte, or a whole body.
 
-`RelayResponse` is what `Forwarder` returns for a streamed answer. Its contract:
+`relay_answer` turns the backend's response (headers received) into the client's response:
+a `RelayResponse` for a 200 event stream, otherwise the body read whole and passed on with
+the backend's status. `RelayResponse`'s contract:
 
-* The client gets the backend's bytes as they arrive, never re-encoded; only the usage-only
-  event the gateway asked for on the client's behalf is removed (`UsageStripper`).
-* No byte from the backend for ``proxy.stream_idle_timeout_s`` (aiohttp's ``sock_read``
-  timeout, rearmed by every byte received, SSE keep-alive comments included): the stream ends
-  with an OpenAI-shaped error event and ``data: [DONE]``, and the upstream connection is
-  closed, which makes vLLM abort the request. Never retried: bytes may have been relayed.
+* The client gets the headers with the first body bytes the forwarder already read
+  (`Head`; see `proxy` for why it holds them), then the backend's bytes as they arrive,
+  never re-encoded; only the usage-only event the gateway asked for on the client's behalf
+  is removed (`UsageStripper`).
+* No content from the backend for ``proxy.stream_idle_timeout_s`` (`idle_watch.IdleWatch`:
+  SSE comments do not count, a slow client's time does not count, and with
+  ``proxy.stream_idle_spares_live_engines`` a replica whose engine is demonstrably
+  progressing is left to serve its queue): the stream ends with an OpenAI-shaped error event
+  and ``data: [DONE]``, and the upstream connection is closed, which makes vLLM abort the
+  request. Never retried: bytes may have been relayed.
 * Any other failure after the headers (reset, total timeout) ends the same way.
 * A client disconnect closes the upstream connection at once (vLLM aborts the generation).
-* The `Settler` (the forwarder) is told exactly once how the exchange ended (`finish`), on
+* The `Settler` (`accounting.Accounting`) is told exactly once how the exchange ended (`finish`), on
   every exit path, so the state-table ticket is always released.
 """
 
@@ -19,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
@@ -29,8 +35,16 @@ from starlette.types import Message, Receive, Scope, Send
 
 from sal_gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from sal_gateway.errors import error_body as _error_body
+from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.state import Ticket
-from sal_gateway.usage import USAGE_TAIL_BYTES, UsageStripper, usage_from_sse_tail
+from sal_gateway.trace_hooks import NO_SPAN, UpstreamSpan
+from sal_gateway.upstream import response_headers
+from sal_gateway.usage import (
+    USAGE_TAIL_BYTES,
+    UsageStripper,
+    usage_from_json,
+    usage_from_sse_tail,
+)
 
 logger = logging.getLogger("sal_gateway.proxy")
 
@@ -54,10 +68,30 @@ class Exchange:
     strip_usage: bool = False
     """The gateway asked for usage on the client's behalf: remove the usage event."""
     client_gone: bool = False
+    span: UpstreamSpan = NO_SPAN
+    """This attempt's tracing span (`sal_gateway.tracing`; a no-op when tracing is off)."""
+    idle_s: float = 60.0
+    """A stream's idle bound (``proxy.stream_idle_timeout_s``)."""
+    live: Callable[[], bool] | None = field(default=None)
+    """Whether the backend's engine is demonstrably alive now (`StateTable.is_live`); None:
+    every silence of `idle_s` ends the stream."""
+    headers_at_s: float = 0.0
+    """Event-loop time at which the response headers arrived (a stream's silence starts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """What the forwarder read of a stream's body before the client's headers went out."""
+
+    chunk: bytes = b""
+    """The first body bytes (relayed first); empty when none came within the hold."""
+    error: BaseException | None = None
+    """The read failure that ended the hold (an idle or total timeout): the relay sends the
+    headers, then the error event."""
 
 
 class Settler(Protocol):
-    """What the relay reports to (the forwarder: metrics, accounting, beta)."""
+    """What the relay reports to (`accounting.Accounting`: metrics, the ticket, beta)."""
 
     def first_byte(self, ex: Exchange) -> None:
         """The first body byte arrived from the backend."""
@@ -93,6 +127,7 @@ class RelayResponse(Response):
         resp: aiohttp.ClientResponse,
         headers: Mapping[str, str],
         media_type: str,
+        head: Head,
     ) -> None:
         # Not Response.__init__: it would render an empty body and add Content-Length: 0.
         self.status_code = 200
@@ -102,6 +137,7 @@ class RelayResponse(Response):
         self._settler = settler
         self._ex = ex
         self._resp = resp
+        self._head = head
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex, resp = self._ex, self._resp
@@ -112,7 +148,7 @@ class RelayResponse(Response):
 
         watcher = asyncio.ensure_future(_watch_disconnect(receive, client_gone))
         try:
-            await relay_stream(self._settler, ex, resp, self.raw_headers, send)
+            await relay_stream(self._settler, ex, resp, self.raw_headers, send, self._head)
         finally:
             watcher.cancel()
 
@@ -123,33 +159,55 @@ async def relay_stream(
     resp: aiohttp.ClientResponse,
     raw_headers: list[tuple[bytes, bytes]],
     send: Send,
+    head: Head,
 ) -> None:
-    """Relay `resp`'s body to the client as it arrives; settle metrics and accounting."""
+    """Relay `head`, then the rest of `resp`'s body to the client as it arrives; settle
+    metrics and accounting."""
     tail = b""  # the last bytes relayed: where the client's own usage event is
     stripper = UsageStripper() if ex.strip_usage else None
     first = True
     status = 200
     broken = False  # the upstream exchange did not end cleanly: close, never reuse
+    loop = asyncio.get_running_loop()
+    watch = IdleWatch(
+        loop,
+        ex.idle_s,
+        ex.live,
+        resp.close,  # ends the read below; vLLM aborts the request
+        loop.time() if head.chunk else ex.headers_at_s or None,
+    )
     try:
+        watch.sending = True
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+        watch.sending = False
+        watch.start()
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in _body(resp, head):
                 if ex.client_gone:
                     break
                 if first:
                     first = False
                     settler.first_byte(ex)
+                raw = chunk
                 if stripper is not None:
                     chunk = stripper.feed(chunk)
                     if not chunk:
+                        watch.touch(raw)
                         continue
                 tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
+                watch.sending = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                watch.sending = False
+                watch.touch(raw)
+            if watch.fired and not ex.client_gone:
+                raise aiohttp.SocketTimeoutError("stream idle")
         except (aiohttp.ClientError, TimeoutError) as exc:
+            # The watch closed the connection: whatever the read raised, it was the idle bound.
+            failure = aiohttp.SocketTimeoutError("stream idle") if watch.fired else exc
             broken = True
             if not ex.client_gone:
                 resp.close()  # before anything else: vLLM aborts the request now
-                err = settler.stream_failed(ex, exc)
+                err = settler.stream_failed(ex, failure)
                 held = stripper.flush() if stripper is not None else b""
                 await send(_error_message(err, tail + held, held))
         if ex.client_gone:
@@ -164,6 +222,7 @@ async def relay_stream(
         status = 499
         raise
     finally:
+        watch.stop()
         if status == 200 and not broken:
             resp.release()
         else:
@@ -172,6 +231,15 @@ async def relay_stream(
         if status == 200:
             usage = stripper.usage if stripper is not None else usage_from_sse_tail(tail)
         settler.finish(ex, status, usage)
+
+
+async def _body(resp: aiohttp.ClientResponse, head: Head) -> AsyncIterator[bytes]:
+    if head.error is not None:
+        raise head.error
+    if head.chunk:
+        yield head.chunk
+    async for chunk in resp.content.iter_any():
+        yield chunk
 
 
 def stream_error(ex: Exchange, exc: BaseException, idle_timeout_s: float) -> GatewayError:
@@ -203,3 +271,59 @@ def _error_message(err: GatewayError, tail: bytes, held: bytes) -> Message:
         "body": held + prefix + sse_error_event(err),
         "more_body": True,
     }
+
+
+def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+    """Whether `resp` is a stream to relay as one: 200 and ``text/event-stream``."""
+    content_type = resp.headers.get("Content-Type", "")
+    return resp.status == 200 and content_type.startswith("text/event-stream")
+
+
+async def relay_answer(
+    settler: Settler,
+    ex: Exchange,
+    resp: aiohttp.ClientResponse,
+    stream: bool,
+    head: Head | None = None,
+) -> Response:
+    """The client's response for `resp` (its headers received): a `RelayResponse` for a
+    requested stream the backend answers with 200 ``text/event-stream``, otherwise the body
+    read whole (bounded by the request's aiohttp timeout) with the backend's status. `head`:
+    what the forwarder already read of the stream's body.
+
+    A body that breaks while being read: `UpstreamError` (`UpstreamTimeout` past the total
+    bound), already counted. Every path but the returned `RelayResponse` settles `ex`."""
+    ex.span.response(resp.status)
+    content_type = resp.headers.get("Content-Type", "application/json")
+    if stream and is_event_stream(resp):
+        headers = response_headers(resp)
+        return RelayResponse(settler, ex, resp, headers, content_type, head or Head())
+    try:
+        body = await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        resp.close()
+        ex.span.outcome(type(exc).__name__)
+        err: UpstreamError
+        if isinstance(exc, TimeoutError):  # the total bound (or a stream's idle bound)
+            settler.upstream_cancelled(ex, "total_timeout")
+            err = UpstreamTimeout(f"backend answer not complete in time: {exc}")
+        else:
+            err = UpstreamError(f"backend failed while answering: {type(exc).__name__}: {exc}")
+        settler.finish(ex, err.status, None)
+        err.backend = ex.backend
+        err.counted = True
+        raise err from None
+    except BaseException:
+        resp.close()
+        settler.upstream_cancelled(ex, "client_disconnect")
+        settler.finish(ex, 499, None)
+        raise
+    settler.first_byte(ex)
+    usage = None
+    if resp.status == 200 and "Content-Encoding" not in resp.headers:
+        usage = usage_from_json(body)
+    resp.release()
+    settler.finish(ex, resp.status, usage)
+    return Response(
+        body, status_code=resp.status, headers=response_headers(resp), media_type=content_type
+    )

@@ -55,6 +55,31 @@ class InboundRequest:
     """Engine requests vLLM makes of this one: ``max(n, best_of)``."""
     chat_template: str | None = None
     """Chat: the client-supplied chat template (None: the model's own)."""
+    # --- E: the endpoints beyond completions and chat (`api_body`, `endpoints`) ---
+    path: str = ""
+    """The upstream path when it is not `endpoint`'s (set by `api_body.parse_api_body`)."""
+    count_options: dict[str, Any] | None = None
+    """The options that drive counting (``add_special_tokens``, ``add_generation_prompt``,
+    ``continue_final_message``, ``tools``, ...) with the request's endpoint's defaults made
+    explicit; None: the body's own, with completions' and chat's defaults."""
+    counted: bool = True
+    """False: the gateway cannot count this request's tokens (routed by the fallback)."""
+    ask_stream_usage: bool = True
+    """Ask a stream for usage on the client's behalf (completions and chat only: other
+    endpoints report usage in their own events, or take no ``stream_options``)."""
+    truncate_to: int | None = None
+    """``truncate_prompt_tokens``: vLLM cuts each prompt to this many tokens (-1: the
+    context length), so longer prompts are not refused."""
+
+    @property
+    def upstream_path(self) -> str:
+        """The path the request is forwarded to."""
+        return self.path or self.endpoint.value
+
+    @property
+    def count_body(self) -> dict[str, Any]:
+        """Where counting reads its options (`count_options`, else the body)."""
+        return self.body if self.count_options is None else self.count_options
 
 
 def shown(value: object) -> str:
@@ -123,38 +148,20 @@ def _common(body: dict[str, Any]) -> None:
         raise BadRequest("`stream_options` must be an object", param="stream_options")
 
 
-def _parse_int(text: str) -> int:
-    return int(text)
-
-
-def _parse_float(text: str) -> float:
-    return float(text)
-
-
-def decode_json(raw: bytes, *, yielding: bool = False) -> object:
-    """`raw` decoded as JSON; `BadRequest` for anything else (bad UTF-8, too deep, ...).
-
-    ``yielding=True`` (for large bodies decoded in a worker thread) parses numbers through
-    Python-level functions: the C decoder otherwise holds the GIL for the whole of a long
-    flat array of numbers (a 10 MiB token-ID prompt: ~0.3 s during which the event loop
-    cannot run), while running bytecode per number lets the interpreter hand the GIL over
-    every few milliseconds. It costs ~4x the decode time of such arrays."""
+def decode_json(raw: bytes) -> object:
+    """`raw` decoded as JSON; `BadRequest` for anything else (bad UTF-8, too deep, ...)."""
     try:
-        if yielding:
-            return json.loads(raw, parse_int=_parse_int, parse_float=_parse_float)
         return json.loads(raw)
     # ValueError also covers integers over Python's 4300-digit conversion limit.
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
 
 
-def parse_body(
-    raw: bytes, endpoint: Endpoint, *, max_n: int = DEFAULT_MAX_N, yielding: bool = False
-) -> InboundRequest:
+def parse_body(raw: bytes, endpoint: Endpoint, *, max_n: int = DEFAULT_MAX_N) -> InboundRequest:
     """Decode and validate one request body; `BadRequest` names the first bad field.
-    Costs time linear in ``len(raw)``: the app calls it off the event loop, ``yielding``
-    (see `decode_json`), for large bodies."""
-    body = decode_json(raw, yielding=yielding)
+    Costs time linear in ``len(raw)``: the app calls it in a body worker process for large
+    bodies (`admission`)."""
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")

@@ -20,6 +20,9 @@ Rules:
   vLLM read through ``/metrics`` (no heartbeat) every good poll counts as progress: liveness
   there means "the API server answers", nothing more.
 * ``eject_after_failures`` consecutive failed polls eject it; one good poll re-admits it.
+* When no backend of a model is eligible, `degraded_views` names the ones still worth a try
+  (recent engine progress, not ejected or suspect); the proxy routes there by fewest
+  in-flight requests rather than refusing (``routing.degraded_max_progress_age_s``).
 * A connect failure seen by the proxy marks it *suspect* (not eligible) until its next good
   poll, so retries and the next requests avoid it without waiting for N poll failures.
 * **Accounting between polls never forgets.** Each routed request's prompt tokens are added
@@ -41,8 +44,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sal_gateway.policies import BackendView
-from sal_gateway.stats import ReplicaStats
+from sal_core.policies import BackendView
+from sal_core.stats import ReplicaStats
 
 SOURCES = ("stats", "metrics", "none")
 """Where a backend's state comes from: sal-stats/1 ``/stats``, vLLM ``/metrics``, nothing."""
@@ -129,6 +132,21 @@ class BackendState:
             return self.fallback_max_num_batched_tokens
         return self.stats.max_num_batched_tokens
 
+    def view(self, eligible: bool) -> BackendView:
+        """What a policy sees of this backend (the prefix-cache fields stay 0 here: the
+        request path fills them per request when a cache source is configured)."""
+        stats = self.stats
+        return BackendView(
+            url=self.url,
+            eligible=eligible,
+            in_flight=self.in_flight,
+            free_kv_tokens=self.free_kv_tokens(),
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            max_num_batched_tokens=self.max_num_batched_tokens(),
+            num_waiting=0 if stats is None else stats.num_waiting,
+            kv_tokens_total=0 if stats is None else stats.kv_blocks_total * stats.block_size,
+        )
+
     def acknowledge_before(self, cutoff_s: float) -> None:
         """Stop counting every ticket sent before `cutoff_s` (a snapshot includes them)."""
         unacked = self.unacked
@@ -164,6 +182,8 @@ class Ticket:
     released: bool = False
     acked: bool = False
     """The engine's numbers include this request (or it ended): its tokens no longer count."""
+    on_release: Callable[[], None] | None = None
+    """Called once when the request ends (the prefix index's hold on its blocks)."""
 
 
 @dataclass(slots=True)
@@ -274,17 +294,50 @@ class StateTable:
 
     def views(self, model: str, now_s: float) -> list[BackendView]:
         """What the policy sees for `model`'s pool now (same order as `backends()`)."""
+        stale_after_s = self.stale_after_s
         return [
-            BackendView(
-                url=b.url,
-                eligible=b.is_eligible(now_s, self.stale_after_s),
-                in_flight=b.in_flight,
-                free_kv_tokens=b.free_kv_tokens(),
-                queued_prefill_tokens=b.queued_prefill_tokens(),
-                max_num_batched_tokens=b.max_num_batched_tokens(),
-            )
-            for b in self._pools.get(model, {}).values()
+            b.view(b.is_eligible(now_s, stale_after_s)) for b in self._pools.get(model, {}).values()
         ]
+
+    def degraded_views(self, model: str, now_s: float, max_age_s: float) -> list[BackendView]:
+        """Views for *degraded routing*, used only when no backend of `model` is eligible
+        (Envoy's "panic" mode, made liveness-aware): a backend is a candidate when it is not
+        ejected, suspect or removed and its engine showed progress at most `max_age_s` ago
+        and at most ``stale_after_s`` later than the freshest candidate's. A transient
+        starvation that makes every backend look a little stale at once (a busy host: the
+        polls come late) then still routes, while an engine frozen for longer than its peers
+        stays out: its progress age only grows. Nothing has progressed within `max_age_s`:
+        no candidate (the fleet is down; the caller answers 503)."""
+        pool = self._pools.get(model, {}).values()
+        ages = {
+            b.url: age
+            for b in pool
+            if (age := b.progress_age_s(now_s)) is not None
+            and age <= max_age_s
+            and not (b.ejected or b.suspect or b.removed)
+        }
+        freshest = min(ages.values(), default=0.0)
+        return [
+            b.view(b.url in ages and ages[b.url] <= freshest + self.stale_after_s) for b in pool
+        ]
+
+    def is_live(self, model: str, url: str, now_s: float) -> bool:
+        """Whether `url`'s engine is demonstrably alive now: a fresh good poll and recent
+        progress (`BackendState.is_eligible` without the suspect mark, which a connect
+        failure of another request sets). Read by the relay of a silent stream, once per
+        check, to tell a request queued on a working engine from one on a frozen replica."""
+        backend = self.get(model, url)
+        if backend is None:
+            return False
+        age = backend.age_s(now_s)
+        progress_age = backend.progress_age_s(now_s)
+        return (
+            age is not None
+            and age <= self.stale_after_s
+            and progress_age is not None
+            and progress_age <= self.stale_after_s
+            and not backend.ejected
+        )
 
     def is_ready(self, now_s: float) -> bool:
         """Every model has at least one eligible backend."""
@@ -328,6 +381,9 @@ class StateTable:
             return
         StateTable.first_byte(ticket)
         ticket.released = True
+        if ticket.on_release is not None:
+            ticket.on_release()
+            ticket.on_release = None
         backend = ticket.backend
         backend.in_flight -= 1
         if not ticket.acked:

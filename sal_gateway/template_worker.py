@@ -7,9 +7,9 @@ itself: a thread cannot be stopped and would hold the GIL the event loop needs.
 
 Protocol on stdin/stdout, one job at a time:
 
-* start-up: the child imports Jinja (through transformers, for the same rendering as
-  `PromptCounter`), caps its address space (``RLIMIT_AS``), lowers its CPU priority, then
-  writes ``{"ready": true}\\n``;
+* start-up: the pool writes one init line (unused here, ``{}``); the child imports Jinja
+  (through transformers, for the same rendering as `PromptCounter`), caps its address
+  space (``RLIMIT_AS``), lowers its CPU priority, then writes ``{"ready": true}\\n``;
 * job: a JSON header line ``{"len": N, "special": {...}}`` followed by N bytes, the client's
   raw request body (so the gateway does no per-job encoding work on its event loop);
 * answer: ``{"ok": true, "len": N}\\n`` + N bytes of rendered UTF-8 (surrogates passed
@@ -107,6 +107,7 @@ def main() -> None:
 
     limit = _address_space_bytes() + MEMORY_HEADROOM_BYTES
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    sys.stdin.buffer.readline()  # the pool's init line (`worker_proc`): nothing to configure
     _answer(sys.stdout.buffer, {"ready": True})
     serve(sys.stdin.buffer, sys.stdout.buffer)
 

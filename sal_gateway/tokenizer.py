@@ -16,12 +16,17 @@ request. Rules, mirrored from vLLM 0.32 (`entrypoints/openai/*/protocol.py`,
   ``add_special_tokens`` from the request (default **False**: the template adds BOS);
 * batched prompts count each prompt; the request's total is the sum.
 
+Given a block size (`count_sync`'s ``block_size``: the replicas' KV block, when a prefix-cache
+source is configured), the count also carries the prompt's chained block keys
+(`sal_core.prefix.chain_hashes` over the very token ids vLLM will see), for single-prompt
+requests whose ids the gateway knows (not estimated, not truncated).
+
 Without a tokenizer the count is an estimate: ``ceil(utf8_bytes / 4)`` per text prompt and,
 for chat, ``ceil(utf8_bytes_of_all_contents / 4) + 4 * messages + 3``; such requests are
 flagged (`PromptCount.estimated`) and counted in ``sal_prompt_tokens_estimated_total``.
 
-Long prompts are encoded in a worker thread (`count()` with an executor) so the event loop keeps
-serving other requests while a 100k-token prompt is tokenized.
+The gateway counts long prompts in a `body_worker` process (`admission`), never on the
+event loop; `count()` with an executor remains for embedding the counter elsewhere.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sal_core.prefix import chain_hashes
 from sal_gateway.errors import BadRequest
 from sal_gateway.request_body import Endpoint, InboundRequest
 
@@ -57,6 +63,9 @@ class PromptCount:
     """One count per prompt (batched completions have several)."""
     estimated: bool
     """True when no tokenizer was available and the documented estimate was used."""
+    block_keys: tuple[int, ...] = ()
+    """Chained keys of the prompt's full KV blocks (`chain_hashes`), when asked for and
+    known (one prompt, token ids known); empty otherwise."""
 
     @property
     def total(self) -> int:
@@ -90,7 +99,8 @@ def conversation(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return result
 
 
-def _text_size(req: InboundRequest) -> int:
+def text_size(req: InboundRequest) -> int:
+    """Characters of prompt text in `req` (what tokenizing it costs grows with)."""
     if req.endpoint is Endpoint.CHAT:
         return sum(len(_content_text(m.get("content"))) for m in req.messages)
     return sum(len(p) for p in req.prompts if isinstance(p, str))
@@ -138,20 +148,26 @@ class PromptCounter:
     def has_tokenizer(self) -> bool:
         return self.hf_tokenizer is not None
 
-    def _encode_len(self, text: str, add_special_tokens: bool) -> int:
+    def encode_len(self, text: str, add_special_tokens: bool) -> int:
+        """Tokens of `text` (`BadRequest` when it cannot be tokenized)."""
+        return len(self.encode_ids(text, add_special_tokens))
+
+    def encode_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`, as vLLM's tokenizer makes them (`BadRequest` when it cannot
+        be tokenized)."""
         try:
             if self._backend is not None:
                 # `encode_batch`, not `encode`: only the batch call releases the GIL, so a long
                 # prompt tokenized in a worker thread does not stall the event loop (and for one
                 # short text it costs the same).
                 batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
-                return len(batch[0].ids)
+                return list(batch[0].ids)
             ids = self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         except Exception as exc:  # e.g. lone surrogates from JSON escapes: the client's input
             raise BadRequest(
                 f"the prompt cannot be tokenized: {str(exc)[:200]}", param="prompt"
             ) from None
-        return len(ids)
+        return list(ids)
 
     @property
     def special_tokens(self) -> dict[str, Any]:
@@ -162,7 +178,7 @@ class PromptCounter:
     def _render_chat(self, req: InboundRequest) -> str:
         """The model's own template (trusted: configured by the operator) over `req`. A
         request-supplied template is never rendered here (`template_pool` does, if trusted)."""
-        body = req.body
+        body = req.count_body
         extra = body.get("chat_template_kwargs") or {}
         kwargs: dict[str, Any] = {k: v for k, v in extra.items() if k != "chat_template"}
         kwargs["add_generation_prompt"] = body.get("add_generation_prompt", True)
@@ -184,23 +200,34 @@ class PromptCounter:
         self, text: str, req: InboundRequest, executor: Executor | None, thread_above_chars: int
     ) -> PromptCount:
         """Count an already rendered chat prompt (a request template's output)."""
-        add_special = bool(req.body.get("add_special_tokens", False))
+        add_special = bool(req.count_body.get("add_special_tokens", False))
         if executor is None or len(text) <= thread_above_chars:
-            return PromptCount((self._encode_len(text, add_special),), False)
+            return PromptCount((self.encode_len(text, add_special),), False)
         loop = asyncio.get_running_loop()
-        n = await loop.run_in_executor(executor, self._encode_len, text, add_special)
+        n = await loop.run_in_executor(executor, self.encode_len, text, add_special)
         return PromptCount((n,), False)
 
-    def count_sync(self, req: InboundRequest) -> PromptCount:
-        """Count `req`'s prompt tokens on the calling thread."""
+    def count_sync(self, req: InboundRequest, block_size: int | None = None) -> PromptCount:
+        """Count `req`'s prompt tokens on the calling thread; with `block_size`, also its
+        block keys (see `PromptCount.block_keys`)."""
         if self.hf_tokenizer is None:
-            return estimate(req)
+            count = estimate(req)
+            if block_size is None or count.estimated or len(req.prompts) != 1:
+                return count
+            ids = req.prompts[0]
+            assert not isinstance(ids, str)  # not estimated: token ids
+            return PromptCount(count.per_prompt, False, _keys(ids, block_size))
         if req.endpoint is Endpoint.CHAT:
-            add_special = bool(req.body.get("add_special_tokens", False))
-            return PromptCount((self._encode_len(self._render_chat(req), add_special),), False)
-        add_special = bool(req.body.get("add_special_tokens", True))
+            add_special = bool(req.count_body.get("add_special_tokens", False))
+            chat_ids = self.encode_ids(self._render_chat(req), add_special)
+            return PromptCount((len(chat_ids),), False, _keys(chat_ids, block_size))
+        add_special = bool(req.count_body.get("add_special_tokens", True))
+        if block_size is not None and len(req.prompts) == 1:
+            prompt = req.prompts[0]
+            one = self.encode_ids(prompt, add_special) if isinstance(prompt, str) else prompt
+            return PromptCount((len(one),), False, _keys(one, block_size))
         counts = tuple(
-            self._encode_len(p, add_special) if isinstance(p, str) else len(p) for p in req.prompts
+            self.encode_len(p, add_special) if isinstance(p, str) else len(p) for p in req.prompts
         )
         return PromptCount(counts, estimated=False)
 
@@ -208,10 +235,14 @@ class PromptCounter:
         self, req: InboundRequest, executor: Executor | None, thread_above_chars: int
     ) -> PromptCount:
         """Count on the loop for short prompts, in `executor` above `thread_above_chars`."""
-        if self.hf_tokenizer is None or executor is None or _text_size(req) <= thread_above_chars:
+        if self.hf_tokenizer is None or executor is None or text_size(req) <= thread_above_chars:
             return self.count_sync(req)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, self.count_sync, req)
+
+
+def _keys(ids: list[int], block_size: int | None) -> tuple[int, ...]:
+    return () if block_size is None else tuple(chain_hashes(ids, block_size))
 
 
 def check_length(count: PromptCount, max_tokens: int | None, max_model_len: int | None) -> None:

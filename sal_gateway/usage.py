@@ -30,9 +30,14 @@ def _usage_of(obj: object) -> tuple[int, int] | None:
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
+    response = obj.get("response")
+    if usage is None and isinstance(response, dict):  # a Responses API stream's last event
+        usage = response.get("usage")
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if prompt is None and completion is None:  # the Responses API's names
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
     # A backend's odd numbers (negative, bool) must not reach the counters: they raise.
     if _count(prompt) and _count(completion):
         assert isinstance(prompt, int)
@@ -50,6 +55,8 @@ def usage_from_sse_tail(tail: bytes) -> tuple[int, int] | None:
     client asked with ``stream_options.include_usage``)."""
     for event in reversed(tail.split(b"\n\n")):
         line = event.strip()
+        if line.startswith(b"event:"):  # named events (Responses API): the data line follows
+            line = line.partition(b"\n")[2].strip()
         if not line.startswith(b"data:") or b'"usage"' not in line:
             continue
         try:
@@ -77,10 +84,16 @@ def with_usage_requested(body: dict[str, Any], raw: bytes) -> bytes | None:
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
     merged["continuous_usage_stats"] = False
-    head = raw.rstrip()
-    if raw.lstrip()[:1] == b"{" and head.endswith(b"}") and body:
+    if splices(raw, body):
+        head = raw.rstrip()
         return head[:-1] + b', "stream_options": ' + json.dumps(merged).encode() + b"}"
     return json.dumps({**body, "stream_options": merged}).encode()
+
+
+def splices(raw: bytes, body: dict[str, Any]) -> bool:
+    """Whether `with_usage_requested` can splice a member into `raw` (a non-empty object as
+    UTF-8 text) rather than re-encode `body` (`body_worker` re-encodes the others itself)."""
+    return raw.lstrip()[:1] == b"{" and raw.rstrip().endswith(b"}") and bool(body)
 
 
 def _usage_only_event(event: bytes) -> tuple[int, int] | None:

@@ -5,7 +5,10 @@ Pure: the poller calls `parse_vllm_metrics()` with the exposition text. Used ser
 
 * ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` (gauges);
 * ``vllm:kv_cache_usage_perc`` (gauge, a fraction 0..1, per engine);
-* ``vllm:cache_config_info`` (info gauge; labels ``num_gpu_blocks`` and ``block_size``).
+* ``vllm:cache_config_info`` (info gauge; labels ``num_gpu_blocks`` and ``block_size``;
+  ``enable_prefix_caching`` and ``prefix_caching_hash_algo`` when present);
+* ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (counters, tokens;
+  optional) for the achieved prefix-cache hit rate.
 
 Free KV tokens = sum over engines of ``(1 - usage) * num_gpu_blocks * block_size``. vLLM does
 not expose queued prefill tokens or the per-step token budget; the result carries 0 queued
@@ -19,13 +22,15 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sal_gateway.stats import ReplicaStats
+from sal_core.stats import ReplicaStats
 
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
 _CACHE_INFO = "vllm:cache_config_info"
-_USED = frozenset((_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO))
+_QUERIES = "vllm:prefix_cache_queries_total"
+_HITS = "vllm:prefix_cache_hits_total"
+_USED = frozenset((_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO, _QUERIES, _HITS))
 
 
 class MetricsParseError(ValueError):
@@ -50,6 +55,9 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
     found: set[str] = set()
     usage_by_engine: dict[str, float] = {}
     blocks_by_engine: dict[str, tuple[int, int]] = {}
+    counters = {_QUERIES: 0.0, _HITS: 0.0}
+    caching = False
+    algo: str | None = None
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -75,6 +83,10 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
                 if blocks is not None and block_size is not None and block_size > 0:
                     blocks_by_engine[engine] = (blocks, block_size)
                     found.add(name)
+                caching = sample.labels.get("enable_prefix_caching") == "True"
+                algo = sample.labels.get("prefix_caching_hash_algo") if caching else None
+            elif name in counters:
+                counters[name] += sample.value
     for needed in (_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO):
         if needed not in found:
             raise MetricsParseError(f"/metrics lacks {needed}")
@@ -104,4 +116,8 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
         num_running=int(running),
         max_num_batched_tokens=0,
         max_num_seqs=0,
+        prefix_caching=caching,
+        prefix_hash_algo=algo[:32] if algo else None,
+        prefix_cache_query_tokens=int(counters[_QUERIES]),
+        prefix_cache_hit_tokens=int(counters[_HITS]),
     )

@@ -17,7 +17,11 @@ fi
 if [[ ! -x .venv/bin/python ]]; then
   "$python_bin" -m venv .venv
 fi
-if [[ ! -x .venv/bin/sal-gateway ]] || ! .venv/bin/python -c "import sal_gateway.demo" 2>/dev/null; then
+# Reinstall when the `demo` command is not registered (a venv from an older checkout): the
+# gateway's CLI finds it through the package's entry points (group sal_gateway.commands).
+registered='from importlib.metadata import entry_points as e; import engine_sim.demo
+raise SystemExit(not e(group="sal_gateway.commands", name="demo"))'
+if [[ ! -x .venv/bin/sal-gateway ]] || ! .venv/bin/python -c "$registered" 2>/dev/null; then
   echo "== installing the gateway into .venv"
   .venv/bin/python -m pip install --quiet -e .
 fi

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"))
 
 
-_REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("SAL_SHARED_DATA", _REPO.parent / "shared" / "data"))
-"""The workload traces (``../shared/data`` beside the checkout; ``SAL_SHARED_DATA`` overrides).
-Never copied into the repository (licences: see the README)."""
+REPO = Path(__file__).resolve().parents[1]
+"""The root of the checkout under test."""
+DATA_DIR = REPO / "data"
+"""The workload traces committed with the repository (``data/README.md``: sources, licences).
+Tests read this checkout's own copy, never ``SAL_DATA_DIR`` (that override is for installed
+copies of the commands, `engine_sim.data`)."""

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_sim.fake_vllm import FakeBackend, ServedApp, ServedBackend
 from sal_gateway.app import Resolver, Runtime, create_app
 from sal_gateway.config import GatewayConfig, build_config
-from sal_gateway.testing import FakeBackend, ServedApp, ServedBackend
 
 MODEL = "tiny"
 

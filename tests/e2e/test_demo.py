@@ -42,6 +42,11 @@ def test_demo_serves_the_builtin_load_through_every_replica(tiny_model_dir: Path
     shares = re.findall(r"routed to http://127\.0\.0\.1:\d+\s+([\d.]+)%", out)
     assert len(shares) == 3, out  # SAL spread the load over every replica
     assert sum(float(s) for s in shares) == pytest.approx(100.0, abs=0.5)
+    # The replicas' prefix-cache hit rate is shown (whether a follow-up lands where its
+    # prefix is cached depends on timing here; tests/integration/test_emulator.py forces it).
+    hits = re.search(r"prefix-cache hits\s+([\d.]+)% of prompt tokens", out)
+    assert hits is not None, out
+    assert 0.0 <= float(hits.group(1)) <= 100.0
 
 
 def test_demo_rejects_impossible_flags() -> None:

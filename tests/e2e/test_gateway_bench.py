@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sal_gateway.policies import POLICIES
+from sal_core.policies import POLICIES
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,7 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
         "## Added latency, paced",
         "## Throughput of one gateway process",
         "## Routing decision time, 64 backends",
+        "## Prefix cache cost per request",
         "## Tokenization",
     ):
         assert title in result.stdout
@@ -45,6 +46,7 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
         assert [row["concurrency"] for row in report[section]] == [1, 50, 200]
         assert all(row["requests"] > 0 for row in report[section])
     assert report["throughput"]["gateway_req_per_s"] > 0
+    assert all(row["p50_us"] > 0 for row in report["prefix_costs"])
     timed = {row["policy"] for row in report["decisions"]}
     assert set(POLICIES) <= timed
     tokens = {row["name"]: row["tokens"] for row in report["tokenization"]}

@@ -1,7 +1,7 @@
 """The gateway as a user runs it: ``sal-gateway serve --config config.yaml``, then ``curl`` and
 the ``openai`` SDK against it.
 
-The backends are two typed fakes (`sal_gateway.testing.FakeBackend`) served on loopback in
+The backends are two typed fakes (`engine_sim.fake_vllm.FakeBackend`) served on loopback in
 this test process; they speak the OpenAI API with ``usage`` and ``/stats`` like patched vLLM
 replicas (real vLLM is covered by ``tests/integration/test_gateway_vllm.py``). The gateway is
 the installed console script in a child process, with the tiny model's tokenizer.
@@ -22,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from sal_gateway.testing import FakeBackend, ServedBackend
+from engine_sim.fake_vllm import FakeBackend, ServedBackend
 from tests.gateway_support import (
     SAL_GATEWAY_SCRIPT,
     free_port,

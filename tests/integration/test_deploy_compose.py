@@ -188,7 +188,7 @@ def test_gpu_engine_command_is_accepted_by_the_launcher() -> None:
         assert vllm_args[vllm_args.index("--served-model-name") + 1] == env["SERVED_MODEL_NAME"]
         assert "--middleware" in vllm_args  # /stats is served
         scheduler = vllm_args[vllm_args.index("--scheduler-cls") + 1]
-        assert scheduler.endswith("LarryAsyncScheduler")
+        assert scheduler.endswith("LarryTailAsyncScheduler")  # the default: LARRY + tail guard
         config = vllm_args[vllm_args.index("--additional-config") + 1]
         assert f'"alpha":{float(env["LARRY_ALPHA"])}' in config
 

@@ -62,9 +62,9 @@ def test_engine_args_parse_with_vllm(
     assert ns.tensor_parallel_size == 1
     assert ns.max_model_len == 8192
     assert ns.gpu_memory_utilization == pytest.approx(0.9)
-    assert ns.scheduler_cls == "engine_patch.scheduler.LarryAsyncScheduler"
+    assert ns.scheduler_cls == "engine_patch.scheduler.LarryTailAsyncScheduler"
     assert ns.middleware == ["engine_patch.stats_route.StatsMiddleware"]
-    assert ns.additional_config["larry"]["alpha"] == pytest.approx(1.0)
+    assert ns.additional_config["larry_tail"]["alpha"] == pytest.approx(1.0)
 
 
 def test_vllm_parser_rejects_a_misspelt_flag(vllm_serve_parser: argparse.ArgumentParser) -> None:

@@ -272,12 +272,14 @@ def test_the_installed_package_runs_what_the_images_run(tmp_path: Path) -> None:
     # checkout); dependencies come from this environment.
     env = {**os.environ, "PYTHONPATH": str(unpacked)}
     probe = (
-        "import sal_gateway, engine_sim.emulator, engine_patch.launcher, sal_gateway.app;"
+        "import sal_core, sal_gateway, engine_sim.emulator, engine_patch.launcher, sal_gateway.app;"
         "print(sal_gateway.__file__)"
     )
     for command, expected in [
         ([sys.executable, "-c", probe], str(unpacked)),
         ([sys.executable, "-m", "sal_gateway.cli", "--version"], "sal-gateway "),
+        # `demo` reaches the gateway's CLI through the wheel's entry points, not an import.
+        ([sys.executable, "-m", "sal_gateway.cli", "demo", "--help"], "--replicas"),
         ([sys.executable, "-m", "engine_sim.emulator", "--help"], "--base-port"),
         ([sys.executable, "-m", "engine_patch.launcher", "--version"], "sal-engine "),
     ]:
@@ -289,3 +291,4 @@ def test_the_installed_package_runs_what_the_images_run(tmp_path: Path) -> None:
     entry_points = next(unpacked.glob("*.dist-info/entry_points.txt")).read_text()
     assert "sal-gateway = sal_gateway.cli:main" in entry_points
     assert "sal-engine = engine_patch.launcher:main" in entry_points
+    assert "demo = engine_sim.demo:COMMAND" in entry_points

@@ -166,7 +166,7 @@ def test_engine_args_are_accepted_by_the_launcher(resources: dict[tuple[str, str
     plan = plan_launch(args, async_default=True)
     assert "--middleware" in plan.vllm_args
     assert plan.vllm_args[plan.vllm_args.index("--scheduler-cls") + 1].endswith(
-        "LarryAsyncScheduler"
+        "LarryTailAsyncScheduler"
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sal_gateway.testing import FakeBackend, ServedBackend
+from engine_sim.fake_vllm import FakeBackend, ServedBackend
 from tests.deploy_support import (
     ALERTS,
     DASHBOARD,

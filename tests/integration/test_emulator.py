@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -10,8 +11,8 @@ import openai
 import pytest
 
 from engine_sim.emulator import build_parser, config_from_args, run_emulators
+from sal_core.stats import parse_stats
 from sal_gateway.request_body import Endpoint, parse_body
-from sal_gateway.stats import parse_stats
 from sal_gateway.tokenizer import load_model_tokenizer
 from sal_gateway.vllm_metrics import parse_vllm_metrics
 
@@ -20,14 +21,20 @@ def client_for(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-async def wait_idle(http: httpx.AsyncClient, url: str, polls: int = 500) -> dict[str, object]:
-    """Poll `/stats` until nothing is waiting or running (bounded)."""
-    for _ in range(polls):
+DEADLINE_S = 60.0
+"""How long a state a test waits for may take (generous: a busy machine is slow, not wrong)."""
+
+
+async def wait_idle(http: httpx.AsyncClient, url: str) -> dict[str, object]:
+    """Poll `/stats` until nothing is waiting or running (at most `DEADLINE_S`)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
         body = (await http.get(f"{url}/stats")).json()
         if body["num_running"] == 0 and body["num_waiting"] == 0:
             return dict(body)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replica never went idle: {body}")
         await asyncio.sleep(0.01)
-    raise AssertionError(f"replica never went idle: {body}")
 
 
 async def test_completions_through_the_openai_sdk_non_streaming() -> None:
@@ -70,13 +77,16 @@ async def test_stats_and_metrics_follow_the_contracts_under_load() -> None:
     async with emulators as (url,), client_for(url) as client:
         jobs = [
             asyncio.create_task(
-                client.completions.create(model="tiny", prompt=[1] * 300, max_tokens=40)
+                # Distinct prompts: the prefix cache must not let them share blocks.
+                client.completions.create(model="tiny", prompt=[i + 1] * 300, max_tokens=40)
             )
-            for _ in range(6)
+            for i in range(6)
         ]
         async with httpx.AsyncClient() as http:
             busy = None
-            for _ in range(200):
+            deadline = time.monotonic() + DEADLINE_S
+            # Until the queue shows (or every job ended without it: the product is wrong).
+            while not all(job.done() for job in jobs) and time.monotonic() < deadline:
                 stats = parse_stats((await http.get(f"{url}/stats")).json())
                 if stats.num_waiting and stats.num_running:
                     busy = stats
@@ -184,12 +194,37 @@ async def test_batched_prompts_on_a_gpu_profile_faster_than_real_time() -> None:
     assert result.usage.completion_tokens == 8
 
 
+async def test_a_repeated_prompt_is_served_from_the_prefix_cache() -> None:
+    prompt = list(range(100, 700))  # 600 tokens: 37 full blocks, all but the last token
+    text = "Once upon a time, " * 40
+    async with run_emulators(1) as (url,), client_for(url) as client, httpx.AsyncClient() as http:
+        for _ in range(2):
+            await client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        hits = _counter((await http.get(f"{url}/metrics")).text, "vllm:prefix_cache_hits_total")
+        queries = _counter((await http.get(f"{url}/metrics")).text, "vllm:prefix_cache_queries")
+        await client.completions.create(model="tiny", prompt=text, max_tokens=2)
+        await client.completions.create(model="tiny", prompt=text + "The end.", max_tokens=2)
+        text_hits = _counter((await http.get(f"{url}/metrics")).text, "vllm:prefix_cache_hits")
+    assert (hits, queries) == (37 * 16, 1200)
+    # A text prompt without a tokenizer: blocks of 4-byte pseudo-tokens; the longer one
+    # reuses all 11 full blocks of the shorter (720 bytes = 180 tokens).
+    assert text_hits - hits == 11 * 16
+
+
+def _counter(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 def test_command_line_flags_map_onto_the_config() -> None:
     args = build_parser().parse_args(
         [
             "--replicas", "4", "--base-port", "21500", "--profile", "llama3-70b-fp8-h100x2",
             "--scheduler", "trail_plus", "--trail-c", "0", "--time-scale", "0.1",
             "--model", "llama", "--no-scheduler-reserve-full-isl", "--num-kv-blocks", "500",
+            "--no-enable-prefix-caching",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -201,4 +236,5 @@ def test_command_line_flags_map_onto_the_config() -> None:
     assert engine.trail_c == 0.0
     assert engine.num_kv_blocks == 500
     assert engine.reserve_full_prompt is False
+    assert engine.enable_prefix_caching is False
     assert config.time_scale == 0.1

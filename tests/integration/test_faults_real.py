@@ -2,10 +2,11 @@
 vLLM backends, each a process of its own (``bench.fake_backend_server``), under steady
 streaming load.
 
-Faults: SIGKILL mid-stream, SIGSTOP of the whole replica (then SIGCONT), a frozen engine
-heartbeat, slow ``/stats``, malformed ``/stats`` (deeply nested JSON, NaN, wrong schema, a NaN
-in stock ``/metrics``, an error status), a flapping replica and a replica restarted on the same
-port. For each the test asserts what a user would notice:
+Faults: SIGKILL mid-stream, a replica that dies (or ends the stream empty) after a stream's
+headers but before its first byte, SIGSTOP of the whole replica (then SIGCONT), a frozen
+engine heartbeat, slow ``/stats``, malformed ``/stats`` (deeply nested JSON, NaN, wrong
+schema, a NaN in stock ``/metrics``, an error status), a flapping replica and a replica
+restarted on the same port. For each the test asserts what a user would notice:
 
 * every request gets exactly one answer or one explicit error (an SSE error event then
   ``[DONE]`` for a stream that broke, an OpenAI-shaped error otherwise), never a hang;
@@ -19,6 +20,7 @@ Real vLLM replicas (engine frozen on its own, upstream aborts) are in ``test_fau
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import signal
 import time
@@ -31,7 +33,14 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.faultload import MetricsTimeline, Outcome, TrackedLoad, metric_sum, parse_metrics
+from bench.faultload import (
+    MetricsTimeline,
+    Outcome,
+    TrackedLoad,
+    metric_sum,
+    parse_metrics,
+    tracked_stream,
+)
 from bench.processes import PortAllocator
 from tests.fault_support import FakeProc, LoadRun, background_load, fake_procs, measured, wait_for
 from tests.gateway_support import gateway_config, run_gateway
@@ -153,6 +162,54 @@ def test_sigkill_mid_stream(fleet: Fleet) -> None:
     avoid_s = run.timeline.avoid_time_s(a.url, killed_at)
     assert avoid_s <= AVOID_BOUND_S
     measured("SIGKILL mid-stream (fake)", avoid_s=avoid_s, error_events=len(broken), **kinds)
+
+
+async def _streams_one_by_one(gateway: str, prefix: str, n: int) -> list[Outcome]:
+    async with httpx.AsyncClient(timeout=20.0) as client:
+        return [
+            await tracked_stream(
+                client, gateway, model=MODEL, request_id=f"{prefix}{i}", max_tokens=MAX_TOKENS
+            )
+            for i in range(n)
+        ]
+
+
+@pytest.mark.parametrize(("mode", "reason"), [("exit", "closed"), ("empty", "empty")])
+def test_stream_failing_before_its_first_byte_is_rerouted(
+    fleet: Fleet, mode: str, reason: str
+) -> None:
+    """The replica sends a stream's headers, then dies (``exit``: the process is gone) or
+    ends the stream without content (``empty``). The client has seen nothing (the gateway
+    holds its headers until the first body byte), so the request goes to the other replica:
+    one whole answer, generated once, no error."""
+    a, b = fleet.fakes
+    a.fault(fail_after_headers=mode)
+    outcomes = asyncio.run(_streams_one_by_one(fleet.gateway, f"{mode}-", 6))
+    samples = fleet.metrics()
+    kinds = collections.Counter(o.kind for o in outcomes)
+    assert all(o.kind == "ok" and o.backend == "b" for o in outcomes), outcomes
+    records = a.records()
+    started_on_a = {rid for (event, rid) in records if event == "start"}
+    assert started_on_a, "round robin never tried a"
+    assert not any(event == "done" for (event, _rid) in records)
+    done_on_b = collections.Counter(
+        {rid: n for (event, rid), n in b.records().items() if event == "done"}
+    )
+    assert done_on_b == collections.Counter(o.request_id for o in outcomes)  # each once
+    failures = metric_sum(samples, "sal_first_byte_failures_total", backend=a.url, reason=reason)
+    assert failures == len(started_on_a)
+    assert metric_sum(samples, "sal_retries_total", backend=a.url) >= len(started_on_a)
+    assert metric_sum(samples, "sal_stream_errors_total") == 0
+    if mode == "exit":
+        assert a.proc is not None
+        assert a.proc.wait(timeout=5) == 17
+    rerouted = [o for o in outcomes if o.request_id in started_on_a]
+    measured(
+        f"dies before first byte, {mode} (fake)",
+        rerouted=len(rerouted),
+        rerouted_latency_max_s=max(o.latency_s for o in rerouted),
+        **kinds,
+    )
 
 
 def test_replica_restarted_on_same_port_is_used_again(fleet: Fleet) -> None:

@@ -8,21 +8,40 @@ runs as a CLI child process. Scenarios:
 * SIGSTOP of an idle replica's engine process alone (its API server keeps serving ``/stats``
   from shared memory with a frozen, idle-looking heartbeat, the replica SAL would prefer):
   new requests stop going there, the few sent before that end with an SSE error event after
-  the idle timeout, and after SIGCONT the engine drops what the gateway abandoned.
+  the idle timeout, and after SIGCONT the engine drops what the gateway abandoned;
+* SIGSTOP of a whole API server while a long stream runs on each replica: its stream ends with
+  an error event after the idle timeout, requests sent to it are cancelled at the
+  stream-header timeout and answered by the other replica, and after SIGCONT vLLM does not
+  run them (nothing generated twice);
+* SIGKILL of a replica mid-stream (the whole process group), then a restart on the same port:
+  the stream ends with an error event at once, new requests go to the other replica, the
+  restarted one is used again;
+* SIGKILL of a replica right after it accepted a stream (headers sent, no token yet): the
+  client has seen nothing, so the gateway re-routes it and the other replica answers it once.
 
-SIGSTOP of a whole replica, SIGKILL mid-stream and a restart on the same port are proven on
-fake-backend processes (``test_faults_real.py``): on this starved 2-core box vLLM's API
-server sometimes relays a whole long stream in one burst, so a "mid-stream" fault on real
-vLLM could not be placed reliably (git history of this file has those scenarios).
+Placing a fault "mid-stream" needs care on a starved 2-core box: vLLM's own API server
+relays a long stream in bursts there. Measured with a client reading one replica directly
+(no gateway), 4,000 tokens, the box shared with other work: no extra load, 94% of the events
+in the last 10% of the stream's time (the replica's first request); two CPU hogs, nothing for
+13 s, then all 4,000 events (one token each, not merged) within 0.8 s. Through the gateway
+under the same conditions: 15-64% of the events in the last 10%, largest silence 1.8-8 s, so
+the bursts come from upstream. As the events were not merged, the API server did not hold
+outputs back while running; it (or the engine's output thread) got them late, which points at
+CPU starvation of those processes, not at uvicorn, aiohttp or the gateway's relay.
+The kill scenarios therefore freeze the victim's engine (SIGSTOP on EngineCore) before the
+kill: the stream is then certainly unfinished and the client has what the API server
+relayed so far. The kill itself takes the whole process group (API server and engine).
 
 Every client request ends as exactly one answer or one explicit error; the number of requests
 vLLM finished (``vllm:request_success_total`` with reason stop/length, summed over both
 replicas) equals the number of good answers the clients got. Measured times are printed
-(``-s``). Run under ``flock /tmp/sal-vllm.lock``; two vLLM starts (in parallel).
+(``-s``). Run under ``flock /tmp/sal-vllm.lock``; two vLLM starts (in parallel), one
+restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -36,7 +55,14 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.faultload import MetricsTimeline, TrackedLoad, metric_sum, parse_metrics
+from bench.faultload import (
+    MetricsTimeline,
+    Outcome,
+    TrackedLoad,
+    metric_sum,
+    parse_metrics,
+    tracked_stream,
+)
 from bench.processes import PortAllocator
 from engine_patch.replica import LocalReplica, replica_command
 from tests.fault_support import (
@@ -91,6 +117,33 @@ class VllmFleet:
             wait_for(lambda r=r: self.healthy(r), 30.0, f"{r.base_url} eligible")
 
 
+def _gateway(
+    port: int, replicas: list[LocalReplica], model_dir: Path, policy: str
+) -> dict[str, Any]:
+    return gateway_config(
+        port,
+        [r.base_url for r in replicas],
+        tokenizer=model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        extra={
+            "routing": {
+                "policy": policy,
+                "poll_interval_s": 0.1,
+                "poll_timeout_s": 0.5,
+                "stale_after_s": 1.0,
+                "eject_after_failures": 3,
+            },
+            "proxy": {
+                "connect_timeout_s": 1.0,
+                "stream_header_timeout_s": HEADER_TIMEOUT_S,
+                "stream_idle_timeout_s": IDLE_TIMEOUT_S,
+                "total_timeout_s": 120.0,
+            },
+            "log_level": "warning",
+        },
+    )
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
     ports = PortAllocator(22000, 22100)
@@ -105,28 +158,7 @@ def fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
         with ThreadPoolExecutor(2) as pool:  # the two ~60 s start-ups overlap
             for future in [pool.submit(r.start) for r in replicas]:
                 future.result()
-        config = gateway_config(
-            ports.take(),
-            [r.base_url for r in replicas],
-            tokenizer=tiny_model_dir,
-            max_model_len=MAX_MODEL_LEN,
-            extra={
-                "routing": {
-                    "policy": "sal",
-                    "poll_interval_s": 0.1,
-                    "poll_timeout_s": 0.5,
-                    "stale_after_s": 1.0,
-                    "eject_after_failures": 3,
-                },
-                "proxy": {
-                    "connect_timeout_s": 1.0,
-                    "stream_header_timeout_s": HEADER_TIMEOUT_S,
-                    "stream_idle_timeout_s": IDLE_TIMEOUT_S,
-                    "total_timeout_s": 120.0,
-                },
-                "log_level": "warning",
-            },
-        )
+        config = _gateway(ports.take(), replicas, tiny_model_dir, "sal")
         with run_gateway(config) as url:
             yield VllmFleet(url, replicas)
     finally:
@@ -140,13 +172,21 @@ class LongStream:
 
     gateway: str
     events: list[str] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    """`time.monotonic()` when each event arrived (bursts show as equal times)."""
     status: int | None = None
     ended_at: float | None = None
     _response: httpx.Response | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
-    def start(self) -> LongStream:
+    def begin(self) -> LongStream:
+        """Send the request (read in a thread); return at once."""
         threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def start(self) -> LongStream:
+        """Send the request; return once the client has its first tokens."""
+        self.begin()
         wait_for(
             lambda: len(self.events) >= 1 or self.ended_at is not None,
             60.0,
@@ -168,6 +208,7 @@ class LongStream:
                 for line in resp.iter_lines():
                     if line.startswith("data:"):
                         self.events.append(line[5:].strip())
+                        self.arrivals.append(time.monotonic())
                     if self._stop.is_set():
                         break
         except httpx.HTTPError as exc:
@@ -180,6 +221,15 @@ class LongStream:
         wait_for(lambda: self.ended_at is not None, 30.0, "the reader to stop")
 
     @property
+    def ended_normally(self) -> bool:
+        """The stream ran to its end: a last chunk with a finish reason, then ``[DONE]``."""
+        return (
+            len(self.events) >= 2
+            and self.events[-1] == "[DONE]"
+            and '"finish_reason":"length"' in self.events[-2]
+        )
+
+    @property
     def ended_with_error_event(self) -> bool:
         return (
             len(self.events) >= 2
@@ -188,16 +238,52 @@ class LongStream:
         )
 
 
-def _victim(fleet: VllmFleet) -> LocalReplica:
-    """The replica running the long stream."""
-    busy: list[LocalReplica] = []
+HOLD_ATTEMPTS = 3
 
-    def one_busy() -> bool:
-        busy[:] = [r for r in fleet.replicas if replica_busy(r.base_url) > 0]
-        return len(busy) == 1
 
-    wait_for(one_busy, 10.0, "exactly one busy replica")
-    return busy[0]
+def _try_to_hold_a_long_stream(fleet: VllmFleet) -> tuple[LongStream, LocalReplica, int] | None:
+    """One attempt of `_held_long_stream`; None (after the stream ended) when it missed."""
+    before = {r.base_url: _decisions(fleet, r) for r in fleet.replicas}
+    stream = LongStream(fleet.gateway).begin()
+    routed: list[LocalReplica] = []
+
+    def decided() -> bool:
+        routed[:] = [r for r in fleet.replicas if _decisions(fleet, r) > before[r.base_url]]
+        return len(routed) == 1
+
+    wait_for(decided, 30.0, "the long stream routed")
+    victim = routed[0]
+    assert victim.proc is not None
+    engine = engine_core_pid(victim.proc.pid)
+    wait_for(
+        lambda: replica_busy(victim.base_url) > 0 or stream.ended_at is not None,
+        60.0,
+        "the long stream running in vLLM",
+    )
+    if stream.ended_at is None:
+        os.kill(engine, signal.SIGSTOP)
+        if replica_busy(victim.base_url) > 0:  # the frozen engine's last snapshot
+            _freeze_mid_stream(stream, engine)
+            return stream, victim, engine
+        os.kill(engine, signal.SIGCONT)
+    wait_for(lambda: stream.ended_at is not None, 120.0, "the missed stream to end")
+    return None
+
+
+def _held_long_stream(fleet: VllmFleet) -> tuple[LongStream, LocalReplica, int]:
+    """A long stream through the gateway, held mid-way: its replica's engine SIGSTOPped while
+    the request runs there and once the client has some of it. Returns the stream, the
+    replica (the one the gateway routed it to, by its decision counters) and its engine's PID.
+
+    The engine is frozen as soon as its ``/stats`` shows the request running, not when the
+    client's first tokens arrive: on a starved box the API server may relay a whole stream
+    in one burst at its end (module docstring), when there is nothing left to break. Tried
+    again (`HOLD_ATTEMPTS`) if the request still ended before it could be frozen."""
+    for _ in range(HOLD_ATTEMPTS):
+        held = _try_to_hold_a_long_stream(fleet)
+        if held is not None:
+            return held
+    raise AssertionError(f"the long stream ended before it could be held, {HOLD_ATTEMPTS} times")
 
 
 def _load(fleet: VllmFleet, prefix: str) -> tuple[TrackedLoad, MetricsTimeline]:
@@ -234,12 +320,23 @@ def _aborted_in_vllm(victim: LocalReplica) -> float:
 
 def test_client_disconnect_aborts_the_request_in_vllm(fleet: VllmFleet) -> None:
     fleet.settle()
-    stream = LongStream(fleet.gateway).start()
-    victim = _victim(fleet)
+    # Held mid-way (engine frozen), so the request is certainly unfinished when the client
+    # goes; the API server takes the disconnect meanwhile and the engine the abort on SIGCONT.
+    stream, victim, engine = _held_long_stream(fleet)
     before = replica_counters(victim.base_url)
     gw_before = fleet.metrics()
     closed_at = time.monotonic()
     stream.close()
+    wait_for(
+        lambda: (
+            metric_sum(fleet.metrics(), "sal_upstream_cancels_total")
+            > metric_sum(gw_before, "sal_upstream_cancels_total")
+        ),
+        10.0,
+        "the gateway to cancel the upstream request",
+    )
+    time.sleep(0.5)  # the frozen replica's API server sees its connection close
+    os.kill(engine, signal.SIGCONT)
     abort_s = _aborted_in_vllm(victim)
     after = replica_counters(victim.base_url)
     # Not finished (vLLM 0.32 does not count client aborts in request_success_total).
@@ -302,4 +399,270 @@ def test_frozen_engine_is_avoided_and_drops_abandoned_requests(fleet: VllmFleet)
         idle_in_vllm_after_sigcont_s=drop_s,
         readmitted_after_sigcont_s=time.monotonic() - resumed_at,
         **kinds,
+    )
+
+
+def _decisions(fleet: VllmFleet, replica: LocalReplica) -> float:
+    return metric_sum(fleet.metrics(), "sal_routing_decisions_total", backend=replica.base_url)
+
+
+def _freeze_mid_stream(stream: LongStream, engine: int) -> None:
+    """With `engine` SIGSTOPped while `stream` is unfinished, make sure the client already
+    has some of it: where a kill is certainly mid-stream. On a starved box the API server may
+    relay nothing for a while (see the module docstring), so the engine is stepped until it
+    did."""
+    deadline = time.monotonic() + 30.0
+    time.sleep(0.5)  # let the API server relay what the engine made before it stopped
+    while not stream.events:
+        assert time.monotonic() < deadline, "no token relayed"
+        os.kill(engine, signal.SIGCONT)
+        time.sleep(0.05)
+        os.kill(engine, signal.SIGSTOP)
+        time.sleep(0.5)
+    assert stream.ended_at is None, stream.events[-3:]
+
+
+def _finished_on(replica: LocalReplica, before: dict[str, float]) -> float:
+    after = replica_counters(replica.base_url)
+    return sum(after.get(k, 0) - before.get(k, 0) for k in ("success_stop", "success_length"))
+
+
+def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) -> None:
+    fleet.settle()
+    # One long stream on each replica, so that both look equally loaded and new requests
+    # keep going to the victim until the gateway notices it froze.
+    streams = [LongStream(fleet.gateway).start() for _ in fleet.replicas]
+    wait_for(
+        lambda: all(replica_busy(r.base_url) == 1 for r in fleet.replicas),
+        10.0,
+        "one long stream on each replica",
+    )
+    victim = fleet.replicas[0]
+    assert victim.proc is not None
+    finished_before = fleet.finished()
+    gw_before = fleet.metrics()
+    cancels_before = metric_sum(gw_before, "sal_upstream_cancels_total")
+    idle_label = {"backend": victim.base_url, "kind": "idle"}
+    header_label = {"backend": victim.base_url, "kind": "header"}
+    idle_before = metric_sum(gw_before, "sal_stream_timeouts_total", **idle_label)
+    with background_load(*_load(fleet, "api-stop-")) as run:
+        stopped_at = time.monotonic()
+        os.kill(victim.proc.pid, signal.SIGSTOP)  # the API server; its engine runs on
+        seen_at_stop = [len(s.events) for s in streams]
+        try:
+            wait_for(
+                lambda: any(s.ended_at is not None for s in streams),
+                IDLE_TIMEOUT_S + 10,
+                "the frozen replica's stream to end",
+            )
+            time.sleep(max(0.0, stopped_at + IDLE_TIMEOUT_S + 2 - time.monotonic()))
+            samples = fleet.metrics()
+        finally:
+            resumed_at = time.monotonic()
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    broken = next(s for s in streams if s.ended_at is not None)
+    survivor = next(s for s in streams if s is not broken)
+    # The other replica's stream is untouched: it runs to its end.
+    wait_for(lambda: survivor.ended_at is not None, 120.0, "the survivor's stream to end")
+    assert survivor.ended_normally, survivor.events[-3:]
+    kinds = _check_outcomes(run)
+    # The frozen replica's stream: an error event once the idle bound expired.
+    assert broken.ended_with_error_event, (len(broken.events), broken.events[-3:])
+    assert broken.ended_at is not None
+    # When the gateway cut it (its own counter, scraped every 0.1 s): the idle bound after
+    # the last byte it received. Bytes the API server wrote into the socket before it stopped
+    # are still relayed first, at the client's pace (the idle clock pauses while a slow
+    # client holds reading back), so on a loaded box the cut comes a few seconds later.
+    cut_after_s = run.timeline.first_time(
+        stopped_at, "sal_stream_timeouts_total", idle_before + 1, **idle_label
+    )
+    assert cut_after_s is not None
+    assert IDLE_TIMEOUT_S - 1.0 < cut_after_s < IDLE_TIMEOUT_S + 10.0
+    relayed_after_stop = len(broken.events) - 2 - seen_at_stop[streams.index(broken)]
+    # New requests are all answered: the ones sent to the frozen server move after the
+    # stream-header timeout.
+    assert kinds.get("ok", 0) == len(run.outcomes), kinds
+    moved = [o for o in run.outcomes if o.latency_s > HEADER_TIMEOUT_S]
+    assert all(o.latency_s < HEADER_TIMEOUT_S + 20 for o in run.outcomes)
+    header_cuts = metric_sum(samples, "sal_stream_timeouts_total", **header_label) - metric_sum(
+        gw_before, "sal_stream_timeouts_total", **header_label
+    )
+    assert len(moved) >= header_cuts  # each cut request was answered elsewhere, later
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, stopped_at, resumed_at)
+    assert avoid_s <= AVOID_BOUND_S
+    drop_s = _aborted_in_vllm(victim)
+    fleet.settle()
+    # Nothing ran to the end twice: vLLM finished exactly the requests clients got, plus the
+    # survivor's long stream.
+    assert fleet.finished() - finished_before == kinds["ok"] + 1
+    cancels = metric_sum(fleet.metrics(), "sal_upstream_cancels_total") - cancels_before
+    measured(
+        "API server SIGSTOP (vLLM)",
+        avoid_s=avoid_s,
+        idle_cut_after_s=cut_after_s,
+        client_saw_error_after_s=broken.ended_at - stopped_at,
+        events_relayed_after_stop=relayed_after_stop,
+        moved_after_header_timeout=len(moved),
+        moved_latency_max_s=max((o.latency_s for o in moved), default=0.0),
+        idle_in_vllm_after_sigcont_s=drop_s,
+        gateway_upstream_cancels=int(cancels),
+        **kinds,
+    )
+
+
+def test_sigkill_mid_stream_then_restart_on_same_port(fleet: VllmFleet) -> None:
+    fleet.settle()
+    stream, victim, _ = _held_long_stream(fleet)
+    assert victim.proc is not None
+    survivor = next(r for r in fleet.replicas if r is not victim)
+    relayed = len(stream.events)
+    survivor_before = replica_counters(survivor.base_url)
+    with background_load(*_load(fleet, "kill-")) as run:
+        killed_at = time.monotonic()
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # API server and engine: the whole replica
+        victim.proc.wait(timeout=10)
+        time.sleep(4.0)
+    kinds = _check_outcomes(run)
+    # The client had part of the stream; it ends with an error event at once, not retried.
+    assert stream.ended_with_error_event, stream.events[-3:]
+    assert stream.ended_at is not None
+    assert len(stream.events) == relayed + 2  # the error event and [DONE], nothing else
+    error_after_s = stream.ended_at - killed_at
+    assert error_after_s < 3.0
+    assert kinds.get("ok", 0) == len(run.outcomes), kinds
+    avoid_s = run.timeline.avoid_time_s(victim.base_url, killed_at)
+    assert avoid_s <= AVOID_BOUND_S
+    assert _finished_on(survivor, survivor_before) == kinds["ok"]
+    restart_started = time.monotonic()
+    victim.start()  # same port, fresh process
+    readmit_s = wait_for(lambda: fleet.healthy(victim), 30.0, "restarted replica eligible")
+    decisions_before = _decisions(fleet, victim)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 64, "ignore_eos": True}
+    with ThreadPoolExecutor(6) as pool:  # concurrent, so that SAL spreads them
+        answers = list(
+            pool.map(
+                lambda _: (
+                    httpx.post(
+                        f"{fleet.gateway}/v1/completions", json=body, timeout=60.0
+                    ).status_code
+                ),
+                range(6),
+            )
+        )
+    assert answers == [200] * 6
+    used = _decisions(fleet, victim) - decisions_before
+    assert used >= 1
+    assert _finished_on(victim, {}) == used  # the fresh process finished what it was sent
+    measured(
+        "SIGKILL mid-stream + restart (vLLM)",
+        avoid_s=avoid_s,
+        stream_error_after_s=error_after_s,
+        events_relayed_before_kill=relayed,
+        restart_s=time.monotonic() - restart_started,
+        readmitted_after_healthy_s=readmit_s,
+        **kinds,
+    )
+
+
+def _stream_in_thread(gateway: str, request_id: str, out: list[Outcome]) -> threading.Thread:
+    async def one() -> None:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            out.append(
+                await tracked_stream(
+                    client,
+                    gateway,
+                    model=MODEL,
+                    request_id=request_id,
+                    max_tokens=16,
+                    hang_s=60.0,
+                    extra={"ignore_eos": True},
+                )
+            )
+
+    thread = threading.Thread(target=asyncio.run, args=(one(),), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_non_streamed_request_on_a_frozen_engine_is_answered_by_the_other_replica(
+    fleet: VllmFleet, tiny_model_dir: Path
+) -> None:
+    """A non-streamed answer's headers come only when generation ends, so the total bound is
+    its only one; but when its replica's engine freezes while it waits there, the gateway
+    gives up on it once the replica is judged not alive, closes it (vLLM aborts it on
+    SIGCONT) and sends it to the other replica. A round-robin gateway of its own, so that
+    the request goes to the target first."""
+    fleet.settle()
+    target, other = fleet.replicas
+    assert target.proc is not None
+    port = PortAllocator(22200, 22300).take()
+    with run_gateway(_gateway(port, [target, other], tiny_model_dir, "round_robin")) as gw:
+        rr = VllmFleet(gw, fleet.replicas)
+        rr.settle()
+        target_before, other_before = (replica_counters(r.base_url) for r in (target, other))
+        engine = engine_core_pid(target.proc.pid)
+        os.kill(engine, signal.SIGSTOP)  # before the gateway can notice: routed there first
+        try:
+            started = time.monotonic()
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 16, "ignore_eos": True}
+            resp = httpx.post(f"{gw}/v1/completions", json=body, timeout=120.0)
+            took_s = time.monotonic() - started
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] == 16
+            assert _decisions(rr, target) == 1  # it went there first
+            assert metric_sum(rr.metrics(), "sal_retries_total", backend=target.base_url) == 1
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        _aborted_in_vllm(target)
+        # Generated once, by the other replica; the frozen one dropped it when it resumed.
+        assert _finished_on(other, other_before) == 1
+        assert _finished_on(target, target_before) == 0
+    assert took_s < IDLE_TIMEOUT_S + 20  # not the 120 s total bound
+    measured("non-streamed request, engine SIGSTOP (vLLM)", answered_after_s=took_s)
+
+
+def test_sigkill_after_accept_before_first_token_is_rerouted(
+    fleet: VllmFleet, tiny_model_dir: Path
+) -> None:
+    """The replica accepted a stream (headers sent) but produced no token yet when it dies:
+    the client has seen nothing, so the gateway sends it to the other replica. A gateway of
+    its own with round robin, so that the request goes to the target first (a fresh round
+    robin starts with the first backend). Last in the module: the target stays dead."""
+    fleet.settle()
+    target, other = fleet.replicas
+    assert target.proc is not None
+    other_before = replica_counters(other.base_url)
+    port = PortAllocator(22100, 22200).take()
+    with run_gateway(_gateway(port, [target, other], tiny_model_dir, "round_robin")) as gw:
+        rr = VllmFleet(gw, fleet.replicas)
+        rr.settle()
+        # Its engine frozen, the target still accepts (the API server sends the stream's
+        # headers) but cannot produce a token.
+        os.kill(engine_core_pid(target.proc.pid), signal.SIGSTOP)
+        outcomes: list[Outcome] = []
+        thread = _stream_in_thread(gw, "accepted-0", outcomes)
+        wait_for(lambda: _decisions(rr, target) == 1, 10.0, "routed to the target")
+        time.sleep(1.0)  # accepted and answered with headers; no token can come
+        killed_at = time.monotonic()
+        os.killpg(target.proc.pid, signal.SIGKILL)
+        target.proc.wait(timeout=10)
+        thread.join(timeout=60.0)
+        assert not thread.is_alive()
+        samples = rr.metrics()
+    [outcome] = outcomes
+    assert outcome.kind == "ok", outcome
+    target_url = target.base_url
+    failures = metric_sum(
+        samples, "sal_first_byte_failures_total", backend=target_url, reason="closed"
+    )
+    assert failures == 1
+    assert metric_sum(samples, "sal_retries_total", backend=target_url) == 1
+    assert metric_sum(samples, "sal_stream_errors_total") == 0
+    # Answered once, by the other replica.
+    wait_for(lambda: replica_busy(other.base_url) == 0, 20.0, "other replica idle")
+    assert _finished_on(other, other_before) == 1
+    measured(
+        "SIGKILL after accept, before the first token (vLLM)",
+        answered_after_kill_s=outcome.sent_s + outcome.latency_s - killed_at,
+        latency_s=outcome.latency_s,
     )

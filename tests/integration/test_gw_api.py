@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from sal_gateway.testing import default_stats
+from engine_sim.fake_vllm import default_stats
 from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from sal_gateway.testing import FakeBackend, ServedBackend
+from engine_sim.fake_vllm import FakeBackend, ServedBackend
 from tests.gw_fake_support import MODEL, gateway_rig, metric, wait_until
 
 
@@ -277,3 +277,69 @@ def test_long_tokenization_does_not_stall_small_requests(tiny_model_dir: Path) -
         runner.join(120)
         assert order[-1] == "big"
         assert order.count("small") == 5
+
+
+# --- a stream whose backend fails before its first byte (issue 8) ------------------------
+# The gateway holds the client's headers until the backend's first body byte
+# (proxy.first_byte_hold_s), so a backend that fails after its headers but before any
+# content can still be replaced: the client has seen nothing.
+
+
+def test_stream_failing_before_its_first_byte_is_retried_on_another_backend() -> None:
+    with gateway_rig(2, routing={"policy": "round_robin"}) as rig:
+        a, b = rig.fakes
+        a.behaviour.close_after_chunks = 0  # headers, then the connection dies
+        a_url = rig.served[0].url
+        with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="x", max_retries=0) as client:
+            for _ in range(2):  # round robin: one of them goes to a first
+                stream = client.completions.create(
+                    model=MODEL, prompt="hi", max_tokens=3, stream=True
+                )
+                assert "".join(c.choices[0].text for c in stream if c.choices) == " tok" * 3
+        assert a.generation_requests >= 1
+        assert b.generation_requests == 2  # each answer generated once, by b
+        text = rig.metrics()
+        failures = metric(text, "sal_first_byte_failures_total", backend=a_url, reason="closed")
+        assert failures == a.generation_requests
+        assert metric(text, "sal_retries_total", backend=a_url) == a.generation_requests
+        assert metric(text, "sal_stream_errors_total") is None
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight", backend=a_url) == 0.0)
+
+
+def test_stream_failing_before_its_first_byte_everywhere_is_a_502() -> None:
+    # Nothing was relayed, so the client gets a plain OpenAI-shaped error, not a broken stream.
+    with gateway_rig(2) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.close_after_chunks = 0
+        resp = _complete(rig.url, stream=True)
+        assert resp.status_code == 502
+        assert resp.json()["error"]["type"] == "upstream_error"
+        assert sum(f.generation_requests for f in rig.fakes) == 2
+
+
+def test_without_the_hold_a_stream_failing_before_its_first_byte_is_not_retried() -> None:
+    with gateway_rig(2, proxy={"first_byte_hold_s": 0}) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.close_after_chunks = 0
+        resp = _complete(rig.url, stream=True)
+        assert resp.status_code == 200  # headers went out at once
+        assert b'"upstream_error"' in resp.content
+        assert resp.content.endswith(b"data: [DONE]\n\n")
+        assert sum(f.generation_requests for f in rig.fakes) == 1
+
+
+def test_client_leaving_during_the_hold_cancels_the_upstream_request() -> None:
+    with gateway_rig(1) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.stall_after_chunks = 0  # headers, then silence (a long prefill)
+        with pytest.raises(httpx.ReadTimeout):  # no headers yet: the client gives up
+            httpx.post(
+                f"{rig.url}/v1/completions",
+                timeout=0.5,
+                json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True},
+            )
+        wait_until(lambda: fake.disconnects == 1)
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight") == 0.0)
+        text = rig.metrics()
+        assert metric(text, "sal_requests_total", status="499") == 1.0
+        assert metric(text, "sal_upstream_cancels_total", reason="client_disconnect") == 1.0

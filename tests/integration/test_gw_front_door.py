@@ -62,9 +62,13 @@ def trusted(tiny_model_dir: Path) -> Iterator[Rig]:
     }
     with gateway_rig(1, tokenizer=tiny_model_dir, max_model_len=256, extra=extra) as r:
         templates = r.runtime.templates
+        bodies = r.runtime.bodies
         assert templates is not None
-        # The workers start in the background (importing Jinja, niced: slow on a busy box).
+        assert bodies is not None
+        # The workers start in the background (importing Jinja, niced: slow on a busy box);
+        # the timing checks below start once every worker's start-up burst is over.
         wait_until(lambda: templates.idle_workers == 2, timeout_s=120.0)
+        wait_until(lambda: bodies.pool.idle_workers == 2, timeout_s=120.0)
         yield r
 
 
@@ -127,9 +131,11 @@ def test_n_multiplies_the_load_estimate(rig: Rig) -> None:
     seen: list[int] = []
     forward = rig.runtime.forwarder.forward
 
-    def spy(inbound: Any, raw: bytes, headers: Any, prompt_tokens: int) -> Any:
+    def spy(
+        inbound: Any, raw: bytes, headers: Any, prompt_tokens: int, *rest: Any, **kw: Any
+    ) -> Any:
         seen.append(prompt_tokens)
-        return forward(inbound, raw, headers, prompt_tokens)
+        return forward(inbound, raw, headers, prompt_tokens, *rest, **kw)
 
     rig.runtime.forwarder.forward = spy  # type: ignore[method-assign]
     try:

@@ -31,6 +31,9 @@ def test_ten_thousand_hostile_requests(tmp_path: Path, tiny_model_dir: Path) -> 
     assert r.server_errors == [], r.server_errors[:20]
     assert "Traceback" not in log, log[-4000:]
     assert "Fatal error" not in log, log[-4000:]
+    # Unparsable HTTP is refused and counted, but not logged once per request: a client
+    # sending garbage cannot flood the log (one line per 10 s, with the count dropped).
+    assert log.count("Invalid HTTP request received.") <= r.duration_s / 10 + 2
     # Only bodies over the size limit may go unanswered: the gateway answers 413 before
     # reading them, and closing with unread input resets the connection under the client.
     assert set(r.unanswered) <= {"sizes"}, r.unanswered
@@ -38,11 +41,12 @@ def test_ten_thousand_hostile_requests(tmp_path: Path, tiny_model_dir: Path) -> 
     # Normal clients were served throughout, the loop was never blocked for long.
     assert r.well_formed_failures == [], r.well_formed_failures[:20]
     assert len(r.fuzz_latency_s) > 10
-    # The aim is 50 ms; with the fuzzer, the fakes and the gateway's GIL-sharing
-    # worker threads on the same 2 cores we measure p99 in the 50-100 ms buckets (up to 250 ms
-    # on a machine loaded by other jobs): README "Known weak spots". 250 ms still catches a
-    # loop blocked by request-sized work (re-encoding a 10 MiB body took up to 470 ms).
-    assert r.lag_p99_s <= 0.25, f"event loop lag p99 <= {r.lag_p99_s} s"
-    # Memory and descriptors bounded (large bodies are read a few at a time).
-    assert r.rss_after - r.rss_before < 512 * 2**20, (r.rss_before, r.rss_after)
+    # The aim is 50 ms. With large bodies handled in worker processes we measure p99
+    # <= 25 ms at load average ~6 and <= 75 ms at 8-15 (other jobs on the same 2 cores);
+    # with that work in GIL-sharing threads it was 150-250 ms: 100 ms catches that regression
+    # and leaves one histogram bucket for CI noise.
+    assert r.lag_p99_s <= 0.1, f"event loop lag p99 <= {r.lag_p99_s} s"
+    # Memory and descriptors bounded (large bodies are read a few at a time and processed in
+    # workers; the gateway grew 20-45 MiB per run, 140-300 MiB when threads did that work).
+    assert r.rss_after - r.rss_before < 128 * 2**20, (r.rss_before, r.rss_after)
     assert r.fds_after <= r.fds_before + 20

@@ -8,12 +8,13 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from sal_gateway.testing import FakeBackend, default_stats
+from engine_sim.fake_vllm import FakeBackend, default_stats
 from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
 LIVENESS: dict[str, Any] = {
@@ -36,6 +37,11 @@ def _complete(url: str) -> httpx.Response:
 
 def _healthy(rig: Rig, index: int) -> float | None:
     return metric(rig.metrics(), "sal_backend_healthy", backend=rig.served[index].url)
+
+
+def _errors_reach(rig: Rig, reason: str, count: int) -> Callable[[], bool]:
+    """Whether backend 0's poll errors for `reason` reached `count` (for `wait_until`)."""
+    return lambda: _poll_errors(rig, 0, reason) >= count
 
 
 def _poll_errors(rig: Rig, index: int, reason: str) -> float:
@@ -163,13 +169,14 @@ def test_unexpected_exception_is_counted_as_internal_and_polling_goes_on(
 def test_flapping_stats_never_kills_the_poller() -> None:
     with gateway_rig(2, routing=LIVENESS) as rig:
         a = rig.fakes[0]
-        for _ in range(6):
+        # Each flap lasts until the poller has seen it (a busy machine may poll late; a
+        # fixed sleep could miss a whole 500 phase).
+        for flap in range(1, 7):
             a.behaviour.stats_status = 500
-            time.sleep(0.15)
+            wait_until(_errors_reach(rig, "http_status", flap))
             a.behaviour.stats_status = 200
-            time.sleep(0.15)
-        assert _poll_errors(rig, 0, "http_status") > 0
-        wait_until(lambda: _healthy(rig, 0) == 1.0)
+            wait_until(lambda: _healthy(rig, 0) == 1.0)
+        assert _poll_errors(rig, 0, "http_status") >= 6
         assert all(_complete(rig.url).status_code == 200 for _ in range(4))
 
 
@@ -203,3 +210,73 @@ def test_poll_thread_and_tasks_end_with_the_gateway() -> None:
         assert len(pollers()) == before + 1
         assert rig.runtime.poller.polled() == {(MODEL, s.url) for s in rig.served}
     wait_until(lambda: len(pollers()) == before, timeout_s=10.0)
+
+
+SLOW_POLLS: dict[str, Any] = {
+    **LIVENESS,
+    "policy": "sal",
+    "poll_interval_s": 0.05,
+    "poll_timeout_s": 6.0,
+    "stale_after_s": 1.0,
+}
+"""Polls that succeed but arrive 1.5 s after they were sent (both backends' `/stats` delayed,
+as on a host so busy that every poll comes late): each backend is stale a third of the time."""
+
+
+def _routed_while_both_stale(rig: Rig, attempts: int, ready: list[int] | None = None) -> list[int]:
+    """Statuses of `attempts` requests, each sent once the gateway shows both backends stale
+    (and of `/ready` asked just before each, into `ready`)."""
+    statuses = []
+    for _ in range(attempts):
+        wait_until(lambda: _healthy(rig, 0) == 0.0 and _healthy(rig, 1) == 0.0, 30.0)
+        if ready is not None:
+            ready.append(httpx.get(f"{rig.url}/ready", timeout=10.0).status_code)
+        statuses.append(_complete(rig.url).status_code)
+    return statuses
+
+
+def _degraded(rig: Rig) -> float:
+    text = rig.metrics()
+    return sum(metric(text, "sal_degraded_routes_total", backend=s.url) or 0.0 for s in rig.served)
+
+
+def test_every_backend_a_little_stale_at_once_still_routes_degraded() -> None:
+    with gateway_rig(2, routing=SLOW_POLLS) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.stats_delay_s = 1.5
+        ready: list[int] = []
+        assert set(_routed_while_both_stale(rig, 5, ready)) == {200}
+        assert _degraded(rig) >= 1  # at least one of them found no eligible backend
+        assert set(ready) == {200}  # still ready: it routes
+    # The same fleet without degraded routing: 503s, and not ready meanwhile.
+    with gateway_rig(2, routing={**SLOW_POLLS, "degraded_max_progress_age_s": 0}) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.stats_delay_s = 1.5
+        ready = []
+        assert 503 in _routed_while_both_stale(rig, 5, ready)
+        assert 503 in ready
+
+
+def test_degraded_routing_leaves_out_an_engine_frozen_longer_than_its_peer() -> None:
+    with gateway_rig(2, routing=SLOW_POLLS) as rig:
+        a, b = rig.fakes
+        for fake in rig.fakes:
+            fake.behaviour.stats_delay_s = 1.5
+        a.behaviour.engine_frozen = True
+        # a's last progress falls more than stale_after_s behind b's within a few polls.
+        time.sleep(5.0)
+        before = a.generation_requests, b.generation_requests
+        degraded_before = _degraded(rig)
+        assert set(_routed_while_both_stale(rig, 4)) == {200}
+        assert a.generation_requests == before[0]  # never the frozen engine
+        assert b.generation_requests == before[1] + 4
+        assert _degraded(rig) > degraded_before
+    # Nothing progressed within the bound: a 503, not a request into a black hole.
+    with gateway_rig(2, routing={**SLOW_POLLS, "degraded_max_progress_age_s": 3.0}) as rig:
+        for fake in rig.fakes:
+            fake.behaviour.engine_frozen = True
+        wait_until(lambda: _healthy(rig, 0) == 0.0 and _healthy(rig, 1) == 0.0, 30.0)
+        time.sleep(3.5)
+        response = _complete(rig.url)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sal_gateway.testing import FakeBackend, ServedBackend
+from engine_sim.fake_vllm import FakeBackend, ServedBackend
 from tests.gateway_support import free_port, gateway_config, metric, run_gateway, scrape_metrics
 
 pytestmark = pytest.mark.slow

@@ -6,6 +6,7 @@ stream's silences are bounded by the idle timeout (error event, never retried)."
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -126,7 +127,8 @@ def test_stream_idle_after_first_bytes_ends_with_error_event_not_retried() -> No
     with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
         a, b = rig.fakes
         a_url = rig.served[0].url
-        a.behaviour.stall_after_chunks = 2  # two tokens, then silence (a frozen replica)
+        a.behaviour.stall_after_chunks = 2  # two tokens, then silence: a frozen replica
+        a.behaviour.stall_freezes_engine = True
         resp = _stream(rig, max_tokens=10)
         assert resp.status_code == 200
         events = _events(resp.content)
@@ -149,11 +151,12 @@ def test_stream_idle_after_first_bytes_ends_with_error_event_not_retried() -> No
 
 
 def test_stream_idle_before_first_token_ends_with_error_event_in_the_sdk() -> None:
-    # Headers, then nothing: an engine that accepted the request but never scheduled it.
-    # Not retried either: the silence may be a long prefill that would only be wasted again.
+    # Headers, then nothing: an engine that accepted the request, then froze. Not retried
+    # either: the silence may be a long prefill that would only be wasted again.
     with gateway_rig(1, proxy=TIGHT) as rig:
         fake = rig.fakes[0]
         fake.behaviour.stall_after_chunks = 0
+        fake.behaviour.stall_freezes_engine = True
         with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="x", max_retries=0) as client:
             stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True)
             with pytest.raises(openai.APIError, match="stream_idle_timeout_s"):
@@ -174,4 +177,103 @@ def test_slow_stream_within_the_idle_bound_is_not_cut() -> None:
         assert len(events) == 9  # eight chunks, [DONE]
         assert events[-1] == b"data: [DONE]"
         assert metric(rig.metrics(), "sal_stream_timeouts_total") is None
+        _settled(rig)
+
+
+def test_silent_stream_on_a_live_engine_is_queued_not_cut() -> None:
+    # Two tokens, then 4 s of silence (over twice the 1.5 s idle bound) while the replica's
+    # engine keeps progressing: a request queued behind others. It must arrive whole.
+    with gateway_rig(1, proxy=TIGHT) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.stall_after_chunks = 2
+        fake.behaviour.stall_s = 4.0
+        resp = _stream(rig, max_tokens=6)
+        events = _events(resp.content)
+        assert len(events) == 7  # six chunks, [DONE]
+        assert events[-1] == b"data: [DONE]"
+        assert b"error" not in resp.content
+        backend = rig.served[0].url
+        assert metric(rig.metrics(), "sal_stream_timeouts_total", backend=backend, kind="idle") in (
+            None,
+            0.0,
+        )
+        _settled(rig)
+
+
+def test_literal_idle_bound_cuts_a_queued_stream_too() -> None:
+    # proxy.stream_idle_spares_live_engines off: the same silence ends the stream.
+    literal = {**TIGHT, "stream_idle_spares_live_engines": False}
+    with gateway_rig(1, proxy=literal) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.stall_after_chunks = 2
+        fake.behaviour.stall_s = 4.0
+        resp = _stream(rig, max_tokens=6)
+        events = _events(resp.content)
+        assert len(events) == 4  # two chunks, the error event, [DONE]
+        assert (
+            "stream_idle_timeout_s" in json.loads(events[2][len(b"data: ") :])["error"]["message"]
+        )
+        wait_until(lambda: fake.disconnects == 1)
+        _settled(rig)
+
+
+def test_keep_alive_comments_from_a_frozen_replica_do_not_hold_the_stream_open() -> None:
+    # vLLM's API server sends `: keep-alive` comments (--sse-keep-alive-interval) even when
+    # its engine froze: they are not content, the stream still ends at the idle bound.
+    with gateway_rig(1, proxy=TIGHT) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.stall_after_chunks = 1
+        fake.behaviour.stall_freezes_engine = True
+        fake.behaviour.keep_alive_s = 0.2
+        started = time.monotonic()
+        resp = _stream(rig, max_tokens=6)
+        took_s = time.monotonic() - started
+        events = _events(resp.content)
+        assert b": keep-alive" in resp.content  # relayed as they came (clients ignore them)
+        assert events[-1] == b"data: [DONE]"
+        assert b"stream_idle_timeout_s" in events[-2]
+        assert took_s < 15.0  # not the 20 s total bound
+        _settled(rig)
+
+
+def _complete_whole(rig: Rig) -> httpx.Response:
+    return httpx.post(
+        f"{rig.url}/v1/completions",
+        timeout=30.0,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 3},
+    )
+
+
+def test_non_streamed_request_on_a_replica_that_froze_is_answered_elsewhere() -> None:
+    # a accepts the request and freezes (headers of a non-streamed answer only come at the
+    # end): once a stops being alive, the request is closed there and sent to b.
+    with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
+        a, b = rig.fakes
+        a.behaviour.hang = True
+        a.behaviour.stall_freezes_engine = True
+        started = time.monotonic()
+        resp = _complete_whole(rig)
+        assert resp.status_code == 200
+        assert resp.json()["backend"] == "b"
+        assert time.monotonic() - started < 15.0  # not the 20 s total bound
+        assert a.generation_requests == 1
+        assert b.generation_requests == 1
+        wait_until(lambda: a.disconnects == 1)  # closed there: vLLM aborts it
+        m = rig.metrics()
+        a_url = rig.served[0].url
+        assert metric(m, "sal_stream_timeouts_total", backend=a_url, kind="idle") == 1.0
+        assert metric(m, "sal_retries_total", backend=a_url) == 1.0
+        _settled(rig)
+
+
+def test_non_streamed_request_queued_on_a_live_replica_waits_for_its_answer() -> None:
+    # 4 s before the answer (queued, then generated) on a replica whose engine progresses:
+    # longer than the 1.5 s idle bound, and answered by that replica.
+    with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
+        a, b = rig.fakes
+        a.behaviour.first_byte_delay_s = 4.0
+        resp = _complete_whole(rig)
+        assert resp.status_code == 200
+        assert resp.json()["backend"] == "a"
+        assert b.generation_requests == 0
         _settled(rig)

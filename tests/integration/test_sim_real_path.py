@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_real_path_serves_every_request_and_reports_both_paths(
     args = [
         "real-path",
         "--trace",
-        str(SHARED_DATA / "AzureLLMInferenceTrace_conv.csv"),
+        str(DATA_DIR / "AzureLLMInferenceTrace_conv.csv"),
         "--replicas",
         "2",
         "--duration-s",
@@ -53,3 +53,37 @@ def test_real_path_serves_every_request_and_reports_both_paths(
         # (tens of ms per request on a busy laptop), not by a different model.
         assert 0.5 * sim_tgt_p50 <= real_tgt_p50 <= 3.0 * sim_tgt_p50
     assert "Spearman" in report
+
+
+def test_k_gateway_processes_share_the_traffic_and_answer_everything(tmp_path: Path) -> None:
+    args = [
+        "real-path",
+        "--trace",
+        str(DATA_DIR / "AzureLLMInferenceTrace_conv.csv"),
+        "--replicas",
+        "2",
+        "--duration-s",
+        "15",
+        "--load-factor",
+        "3",
+        "--max-output",
+        "8",
+        "--time-scale",
+        "2",
+        "--routers",
+        "sal_near",
+        "--gateways",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(args) == 0
+    report = (tmp_path / "real_gateways.md").read_text()
+    (row,) = [line for line in report.splitlines() if line.startswith("| sal_near | 2 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[6] == "0"  # no failed request through either worker
+    shares = [float(s) for s in cells[7].split("/")]
+    assert len(shares) == 2
+    assert sum(shares) == pytest.approx(1.0, abs=0.02)
+    assert min(shares) > 0  # both workers served (each request is its own connection)
+    assert float(cells[2]) > 0  # real TTFT p50

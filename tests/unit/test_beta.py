@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sal_gateway.beta import BetaEstimator
+from sal_core.beta import BetaEstimator
 
 
 def test_seed_is_used_before_any_observation() -> None:

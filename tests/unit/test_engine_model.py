@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine_sim.cost_model import PROFILES, CostProfile
 from engine_sim.engine import EngineConfig, EngineModel, SimRequest, StepResult
 from engine_sim.schedulers import ENGINE_SCHEDULERS
-from sal_gateway.stats import parse_stats
+from sal_core.stats import parse_stats
 
 TINY = PROFILES["tiny-cpu"]
 
@@ -270,7 +270,8 @@ def test_a_request_that_can_never_fit_is_rejected() -> None:
 
 
 def test_unknown_scheduler_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="fcfs, larry, no_preempt, trail_plus"):
+    known = "fcfs, fcfs_headroom, larry, larry_tail, no_preempt, tgi, trail_plus"
+    with pytest.raises(ValueError, match=known):
         EngineConfig(num_kv_blocks=10, scheduler="sjf")
 
 

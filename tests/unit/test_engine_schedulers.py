@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_patch.larry import larry_order
 from engine_sim.cost_model import PROFILES
 from engine_sim.engine import EngineConfig, EngineModel, SimRequest
+from sal_core.larry import larry_order
 
 TINY = PROFILES["tiny-cpu"]
 
@@ -74,7 +74,7 @@ def test_larry_with_large_alpha_degenerates_to_fcfs() -> None:
 
 
 def test_larry_admits_in_exactly_the_vllm_patch_order() -> None:
-    """The engine model's LARRY is `engine_patch.larry.larry_order`, not a re-write.
+    """The engine model's LARRY is `sal_core.larry.larry_order`, not a re-write.
 
     One sequence slot and one-token outputs: every step admits exactly one request (the
     head of LARRY's order over what is still waiting at that step) and finishes it.

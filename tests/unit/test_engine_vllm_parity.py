@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,23 +19,20 @@ import pytest
 # them into collection errors.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from engine_patch.scheduler import LarryScheduler
+    from tests.vllm_scheduler_support import (
+        BLOCK_SIZE,
+        Clock,
+        engine_step,
+        make_request,
+        make_scheduler,
+    )
 
 from engine_sim.cost_model import PROFILES
 from engine_sim.engine import EngineConfig, EngineModel, SimRequest
-
-BLOCK_SIZE = 16
 
 
 @pytest.fixture(autouse=True)
@@ -45,73 +41,14 @@ def stats_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SAL_STATS_PREFIX", str(tmp_path / "stats"))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
-def vllm_scheduler(
-    cls: type[Any],
-    model_dir: Path,
-    *,
-    usable_blocks: int,
-    budget: int,
-    max_num_seqs: int,
-    chunked: bool,
-    alpha: float | None,
-) -> Any:
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=4096 if chunked else budget,
-        enable_chunked_prefill=chunked,
-        is_encoder_decoder=False,
-    )
-    model_config = ModelConfig(
-        model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True
-    )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        additional_config={} if alpha is None else {"larry": {"alpha": alpha}},
-    )
-    num_blocks = usable_blocks + 1  # block 0 is vLLM's null block
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-                ),
-            )
-        ],
-    )
-    cache_config.num_gpu_blocks = num_blocks
-    return cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-    )
-
-
 def vllm_request(req: SimRequest, token: int) -> Request:
-    init_none_hash(sha256)
-    return Request(
-        request_id=req.request_id,
-        prompt_token_ids=[token % 1900 + 20] * req.prompt_tokens,
-        sampling_params=SamplingParams(max_tokens=req.output_tokens, ignore_eos=True),
-        pooling_params=None,
-        arrival_time=req.arrival_s,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    """`req` for vLLM, its prompt one token (from `token`) repeated."""
+    return make_request(
+        req.request_id,
+        req.prompt_tokens,
+        req.arrival_s,
+        max_tokens=req.output_tokens,
+        prompt=[token % 1900 + 20] * req.prompt_tokens,
     )
 
 
@@ -149,18 +86,18 @@ def test_engine_model_schedules_like_vllm_step_by_step(
     alpha: float | None,
 ) -> None:
     cls = LarryScheduler if scheduler == "larry" else Scheduler
-    real = vllm_scheduler(
+    clock = Clock(now_s=0.0)
+    real = make_scheduler(
         cls,
         tiny_model_dir,
-        usable_blocks=blocks,
-        budget=budget,
+        num_blocks=blocks + 1,  # block 0 is vLLM's null block
+        max_num_batched_tokens=budget,
+        max_model_len=4096 if chunked else budget,
         max_num_seqs=max_seqs,
-        chunked=chunked,
+        enable_chunked_prefill=chunked,
         alpha=alpha,
+        clock=clock,
     )
-    clock = Clock()
-    if scheduler == "larry":
-        real.sal_clock = clock
     model = EngineModel(
         EngineConfig(
             num_kv_blocks=blocks,
@@ -188,15 +125,7 @@ def test_engine_model_schedules_like_vllm_step_by_step(
             if k == len(arrivals):
                 break
             continue
-        output = real.schedule()
-        ids = list(output.num_scheduled_tokens)
-        sampled = [[] if real.requests[r].is_prefill_chunk else [7] for r in ids]
-        runner_output = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-        )
-        engine_out = real.update_from_output(output, runner_output)
+        output, engine_out = engine_step(real)
         real_finished = sorted(
             o.request_id for outs in engine_out.values() for o in outs.outputs if o.finished
         )

@@ -195,3 +195,64 @@ def test_stream_timeouts_default_to_vllm_shaped_bounds() -> None:
     assert config.proxy.stream_header_timeout_s == 10.0
     assert config.proxy.stream_idle_timeout_s == 60.0
     assert config.proxy.total_timeout_s == 600.0
+
+
+def test_body_workers_are_configurable_and_at_least_one() -> None:
+    base = {"models": [{"name": "m", "backends": ["http://a:1"]}]}
+    assert build_config(base).limits.body_workers == 2
+    config = build_config({**base, "limits": {"body_workers": 1, "body_max_waiting": 0}})
+    assert config.limits.body_workers == 1
+    assert config.limits.body_max_waiting == 0
+    # Zero workers would put large bodies back on the event loop: refused, naming the key.
+    with pytest.raises(ConfigError, match=r"limits\.body_workers: must be >= 1"):
+        build_config({**base, "limits": {"body_workers": 0}})
+
+
+_M = {"name": "m", "backends": ["http://a:1"]}
+
+
+def test_prefix_cache_keys_default_and_validate() -> None:
+    routing = build_config({"models": [_M]}).routing
+    assert routing.prefix_cache == "approximate"
+    assert (routing.session_header, routing.kv_events_port, routing.kv_events_topic) == (
+        None,
+        5557,
+        "",
+    )
+    config = build_config(
+        {
+            "models": [{**_M, "kv_events_endpoints": {"http://a:1": "tcp://10.0.0.5:5600"}}],
+            "routing": {"prefix_cache": "kv_events", "session_header": "X-Session-Id"},
+        }
+    )
+    assert config.routing.prefix_cache == "kv_events"
+    assert config.routing.session_header == "x-session-id"
+    assert routing.prefix_min_match_tokens == 1024
+    assert (
+        build_config(
+            {"models": [_M], "routing": {"prefix_min_match_tokens": 0}}
+        ).routing.prefix_min_match_tokens
+        == 0
+    )
+    assert config.models[0].kv_events_endpoints == (("http://a:1", "tcp://10.0.0.5:5600"),)
+
+
+@pytest.mark.parametrize(
+    ("routing", "model", "message"),
+    [
+        ({"prefix_cache": "precise"}, {}, "routing.prefix_cache: expected one of off"),
+        ({"prefix_cache": True}, {}, "routing.prefix_cache: expected one of"),
+        ({"session_header": "bad header"}, {}, "routing.session_header: not a valid"),
+        ({"kv_events_port": 70000}, {}, "routing.kv_events_port: must be <= 65535"),
+        ({"kv_events_topic": 3}, {}, "routing.kv_events_topic: expected a string"),
+        ({"prefix_min_match_tokens": -1}, {}, "routing.prefix_min_match_tokens: must be >= 0"),
+        ({}, {"kv_events_endpoints": ["tcp://a:1"]}, r"kv_events_endpoints: expected a mapping"),
+        ({}, {"kv_events_endpoints": {"http://a:1": "a:1"}}, "expected a ZMQ endpoint"),
+        ({}, {"kv_events_endpoints": {"nope": "tcp://a:1"}}, r"kv_events_endpoints\['nope'\]"),
+    ],
+)
+def test_bad_prefix_cache_keys_are_named(
+    routing: dict[str, object], model: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config({"models": [{**_M, **model}], "routing": routing})

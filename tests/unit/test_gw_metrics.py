@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from engine_sim.fake_vllm import default_stats
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.state import StateTable
-from sal_gateway.testing import default_stats
 
 
 def _touch_every_backend_series(metrics: GatewayMetrics, model: str, url: str) -> None:

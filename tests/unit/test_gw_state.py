@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_sim.fake_vllm import default_stats
 from sal_gateway.state import StateTable, Ticket, shows_progress
-from sal_gateway.testing import default_stats
 
 A, B = "http://a:1", "http://b:1"
 
@@ -332,3 +332,40 @@ def test_tickets_count_until_a_snapshot_can_include_them(
                 assert not t.acked  # no snapshot can include it: still counted
             elif covered:
                 assert t.acked  # a snapshot includes it: not counted twice
+
+
+def _progress(table: StateTable, url: str, now_s: float, heartbeat: float) -> None:
+    """A poll at `now_s` whose snapshot shows the (idle) engine alive at `heartbeat`."""
+    stats = dataclasses.replace(default_stats(), time=heartbeat, num_waiting=0, num_running=0)
+    table.record_poll_success("m", url, stats, "stats", now_s=now_s)
+
+
+def test_degraded_views_keep_the_freshest_backends_when_none_is_eligible() -> None:
+    """A busy host makes both backends a little stale at once: both stay candidates for
+    degraded routing. One engine frozen for longer than its peer: only the peer."""
+    table = _table()
+    _progress(table, A, 10.0, 100.0)
+    _progress(table, B, 10.4, 100.4)
+    now = 11.6  # both stale (> 1 s), neither eligible
+    assert [v.eligible for v in table.views("m", now)] == [False, False]
+    assert [v.eligible for v in table.degraded_views("m", now, 10.0)] == [True, True]
+    # A's engine stops; B keeps progressing (its polls are late, but they come).
+    _progress(table, B, 12.0, 102.0)
+    now = 13.05
+    assert [v.eligible for v in table.views("m", now)] == [False, False]
+    assert [v.eligible for v in table.degraded_views("m", now, 10.0)] == [False, True]
+
+
+def test_degraded_views_exclude_dead_suspect_and_long_frozen_backends() -> None:
+    table = _table()
+    _progress(table, A, 10.0, 100.0)
+    _progress(table, B, 10.0, 100.0)
+    table.mark_suspect("m", B)
+    assert [v.eligible for v in table.degraded_views("m", 12.0, 10.0)] == [True, False]
+    for _ in range(3):
+        table.record_poll_failure("m", A)
+    assert [v.eligible for v in table.degraded_views("m", 12.0, 10.0)] == [False, False]
+    # Nothing progressed within the bound: the fleet is down, no candidate at all.
+    table = _table()
+    _progress(table, A, 10.0, 100.0)
+    assert [v.eligible for v in table.degraded_views("m", 20.5, 10.0)] == [False, False]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sal_gateway.testing import FakeBackend
+from engine_sim.fake_vllm import FakeBackend
 from sal_gateway.vllm_metrics import MetricsParseError, parse_vllm_metrics
 
 # Shaped like vLLM 0.32 with two data-parallel engines (counters and histograms included, which
@@ -72,3 +72,22 @@ def test_nan_infinite_or_negative_values_are_errors_not_crashes(field: str, valu
     setattr(fake, field, value)
     with pytest.raises(MetricsParseError, match="vllm:"):
         parse_vllm_metrics(fake.metrics_text(), "tiny", 0.0)
+
+
+def test_prefix_caching_and_its_hit_counters_are_read_when_present() -> None:
+    text = TWO_ENGINES.replace(
+        'cache_dtype="auto",engine="1"',
+        'cache_dtype="auto",enable_prefix_caching="True",engine="1",'
+        'prefix_caching_hash_algo="sha256"',
+    ) + (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 300.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 100.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 64.0\n'
+    )
+    stats = parse_vllm_metrics(text, "tiny", 1.0)
+    assert (stats.prefix_caching, stats.prefix_hash_algo) == (True, "sha256")
+    assert (stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens) == (400, 64)
+    plain = parse_vllm_metrics(TWO_ENGINES, "tiny", 1.0)
+    assert (plain.prefix_caching, plain.prefix_cache_query_tokens) == (False, 0)

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.larry_vllm_bench import format_table, load_trace_slice, percentile
+from bench.larry_vllm_bench import (
+    BENCH_SCHEDULERS,
+    RunResult,
+    _scheduler_args,
+    format_table,
+    load_trace_slice,
+    ratio_rows,
+    summary_rows,
+)
 
 TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -40,12 +48,34 @@ def test_short_prompts_are_not_scaled_up(tmp_path: Path) -> None:
     assert [r.prompt_tokens for r in requests] == [91]
 
 
-def test_percentile_interpolates() -> None:
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
-    assert percentile([], 50) != percentile([], 50)  # NaN when there are no samples
-
-
 def test_markdown_table() -> None:
     table = format_table(["metric", "larry"], [("TTFT p50 (s)", "0.100")])
     assert table.splitlines() == ["| metric | larry |", "|---|---|", "| TTFT p50 (s) | 0.100 |"]
+
+
+def test_ratios_pair_each_run_with_fcfs_on_the_same_slice() -> None:
+    def run(scheduler: str, index: int, ttft: list[float]) -> RunResult:
+        return RunResult(scheduler, index, ttft_s=ttft, norm_ttft_s_per_token=ttft)
+
+    results = [
+        run("fcfs", 0, [1.0, 2.0, 4.0]),
+        run("fcfs", 1, [2.0, 4.0, 8.0]),
+        run("larry_tail", 0, [0.5, 1.0, 2.0]),
+        run("larry_tail", 1, [2.0, 4.0, 8.0]),
+    ]
+    rows = {row[0]: row[1] for row in ratio_rows(results, ["fcfs", "larry_tail"])}
+    # Run 0 halves every latency, run 1 ties: the median of 0.5 and 1.0, with the spread.
+    assert rows["TTFT p50"] == "0.75 (0.5-1)"
+    assert rows["TTFT max"] == "0.75 (0.5-1)"
+    summary = {row[0]: row[1:] for row in summary_rows(results, ["fcfs", "larry_tail"])}
+    assert summary["TTFT p50 (s)"] == ("3 (2-4)", "2.5 (1-4)")
+
+
+def test_headroom_reaches_the_replica_as_vllm_and_larry_tail_settings() -> None:
+    assert _scheduler_args("fcfs+headroom", 0.05) == ["--watermark", "0.05"]
+    assert _scheduler_args("larry_tail", 0.05) == [
+        "--additional-config",
+        '{"larry_tail": {"headroom": 0.05}}',
+    ]
+    assert _scheduler_args("larry", 0.05) == []
+    assert set(BENCH_SCHEDULERS) >= {"fcfs", "fcfs+headroom", "larry", "larry_tail"}

@@ -12,6 +12,7 @@ from engine_patch.patch_config import (
     PatchConfigError,
     dp_local_count,
     larry_params,
+    larry_tail_params,
     stats_prefix,
 )
 from engine_patch.versions import (
@@ -26,9 +27,17 @@ def option(args: list[str], flag: str) -> list[str]:
     return [args[i + 1] for i, a in enumerate(args) if a == flag]
 
 
+def test_the_default_is_the_tail_guarded_larry() -> None:
+    args = plan_launch(["m"], async_default=False).vllm_args
+    assert option(args, "--scheduler-cls") == ["engine_patch.scheduler.LarryTailScheduler"]
+    assert json.loads(option(args, "--additional-config")[0]) == {"larry_tail": {}}
+
+
 def test_larry_on_cpu_gets_the_sync_class_route_and_config() -> None:
     plan = plan_launch(
-        ["/models/tiny", "--port", "8001"], async_default=False, stats_prefix="/dev/shm/x"
+        ["/models/tiny", "--port", "8001", "--sal-scheduler", "larry"],
+        async_default=False,
+        stats_prefix="/dev/shm/x",
     )
     args = plan.vllm_args
     assert args[:3] == ["/models/tiny", "--port", "8001"]
@@ -39,9 +48,11 @@ def test_larry_on_cpu_gets_the_sync_class_route_and_config() -> None:
 
 
 def test_gpu_default_is_the_async_class_unless_async_is_turned_off() -> None:
-    on_gpu = plan_launch(["m"], async_default=True).vllm_args
+    on_gpu = plan_launch(["m", "--sal-scheduler", "larry"], async_default=True).vllm_args
     assert option(on_gpu, "--scheduler-cls") == ["engine_patch.scheduler.LarryAsyncScheduler"]
-    off = plan_launch(["m", "--no-async-scheduling"], async_default=True).vllm_args
+    off = plan_launch(
+        ["m", "--sal-scheduler", "larry", "--no-async-scheduling"], async_default=True
+    ).vllm_args
     assert option(off, "--scheduler-cls") == ["engine_patch.scheduler.LarryScheduler"]
     fcfs = plan_launch(["m", "--sal-scheduler", "fcfs"], async_default=True).vllm_args
     assert option(fcfs, "--scheduler-cls") == ["engine_patch.scheduler.FcfsAsyncScheduler"]
@@ -50,13 +61,16 @@ def test_gpu_default_is_the_async_class_unless_async_is_turned_off() -> None:
 
 def test_user_additional_config_is_merged_not_replaced() -> None:
     user = json.dumps({"larry": {"alpha": 3.0}, "other_plugin": {"x": 1}})
-    plan = plan_launch(["m", f"--additional-config={user}"], async_default=False)
+    plan = plan_launch(
+        ["m", "--sal-scheduler", "larry", f"--additional-config={user}"], async_default=False
+    )
     merged = json.loads(option(plan.vllm_args, "--additional-config")[0])
     assert merged == {"larry": {"alpha": 3.0}, "other_plugin": {"x": 1}}
     assert sum(a.startswith("--additional-config") for a in plan.vllm_args) == 1
 
     explicit = plan_launch(
-        ["m", "--additional-config", user, "--sal-alpha", "0.5"], async_default=False
+        ["m", "--sal-scheduler", "larry", "--additional-config", user, "--sal-alpha", "0.5"],
+        async_default=False,
     )
     merged = json.loads(option(explicit.vllm_args, "--additional-config")[0])
     assert merged["larry"] == {"alpha": 0.5}
@@ -84,7 +98,10 @@ def test_stock_passes_arguments_through_untouched() -> None:
         (["m", "--scheduler-cls", "x.Y"], "--scheduler-cls is set by sal-engine"),
         (["m", "--additional-config", "{not json"], "not valid JSON"),
         (["m", "--additional-config", "[1]"], "must be a JSON object"),
-        (["m", "--additional-config", '{"larry": {"alpah": 2}}'], "larry.alpah"),
+        (
+            ["m", "--sal-scheduler", "larry", "--additional-config", '{"larry": {"alpah": 2}}'],
+            "larry.alpah",
+        ),
         (["m", "--sal-alpha", "-1"], "alpha"),
         (["m", "--sal-scheduler", "fcfs", "--sal-alpha", "2"], "only applies"),
     ],
@@ -142,3 +159,53 @@ def test_local_dp_count_takes_the_larger_of_config_and_launcher() -> None:
 def test_stats_prefix_comes_from_the_environment() -> None:
     assert stats_prefix({"SAL_STATS_PREFIX": "/tmp/r1"}) == "/tmp/r1"
     assert stats_prefix({}).endswith("sal-stats")
+
+
+def test_larry_tail_gets_its_class_and_a_validated_section() -> None:
+    plan = plan_launch(
+        [
+            "m",
+            "--sal-scheduler",
+            "larry_tail",
+            "--sal-alpha",
+            "2",
+            "--additional-config",
+            '{"larry_tail": {"headroom": 0.05}, "other": 1}',
+        ],
+        async_default=False,
+    )
+    args = plan.vllm_args
+    assert option(args, "--scheduler-cls") == ["engine_patch.scheduler.LarryTailScheduler"]
+    config = json.loads(option(args, "--additional-config")[0])
+    assert config == {"larry_tail": {"headroom": 0.05, "alpha": 2.0}, "other": 1}
+    on_gpu = plan_launch(["m", "--sal-scheduler", "larry_tail"], async_default=True)
+    assert option(on_gpu.vllm_args, "--scheduler-cls") == [
+        "engine_patch.scheduler.LarryTailAsyncScheduler"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ('{"larry_tail": {"slak": 1}}', "unknown key additional_config.larry_tail.slak"),
+        ('{"larry_tail": {"margin_s": "1s"}}', "larry_tail.margin_s must be a number"),
+        ('{"larry_tail": {"headroom": 1}}', "headroom must be in"),
+        ('{"larry_tail": {"pin": 3}}', "larry_tail.pin must be a string"),
+        ('{"larry_tail": []}', "larry_tail must be an object"),
+    ],
+)
+def test_bad_larry_tail_settings_are_refused_before_vllm_starts(section: str, message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        plan_launch(
+            ["m", "--sal-scheduler", "larry_tail", "--additional-config", section],
+            async_default=False,
+        )
+
+
+def test_larry_tail_params_defaults_and_types() -> None:
+    params = larry_tail_params({"larry_tail": {"slack": 1, "pin": "fcfs_due"}})
+    assert params.slack == 1.0
+    assert params.pin == "fcfs_due"
+    assert larry_tail_params(None).headroom == 0.02
+    with pytest.raises(PatchConfigError, match="alpha must be a number"):
+        larry_tail_params({"larry_tail": {"alpha": True}})

@@ -9,7 +9,6 @@ times are exact.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,35 +19,22 @@ import pytest
 # and friends); `filterwarnings=error` would turn them into collection errors.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    import torch
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
-    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.request import RequestStatus
 
-    from engine_patch.larry import larry_order
     from engine_patch.scheduler import (
         FcfsScheduler,
         LarryAsyncScheduler,
         LarryScheduler,
     )
     from engine_patch.snapshot import SnapshotReader, snapshot_path
-
-BLOCK_SIZE = 16
-
-
-class Clock:
-    """The scheduler's wall clock, advanced by the test."""
-
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
+    from sal_core.larry import larry_order
+    from tests.vllm_scheduler_support import (
+        BLOCK_SIZE,
+        Clock,
+        make_request,
+        make_scheduler,
+        run_step,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -59,111 +45,9 @@ def stats_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return prefix
 
 
-def make_scheduler(
-    cls: type[Any],
-    model_dir: Path,
-    *,
-    num_blocks: int = 256,
-    max_num_batched_tokens: int = 1024,
-    max_model_len: int = 1024,
-    max_num_seqs: int = 16,
-    enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = False,
-    alpha: float | None = None,
-    async_scheduling: bool = False,
-    clock: Clock | None = None,
-) -> Any:
-    """A scheduler of class `cls` over `num_blocks` KV blocks (block 0 is vLLM's null block)."""
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_chunked_prefill=enable_chunked_prefill,
-        async_scheduling=async_scheduling,
-        is_encoder_decoder=False,
-    )
-    model_config = ModelConfig(
-        model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True
-    )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
-    additional = {} if alpha is None else {"larry": {"alpha": alpha}}
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        additional_config=additional,
-    )
-    # The CPU platform turns async scheduling off while validating the config; the async
-    # variant is tested here as the GPU runs it.
-    vllm_config.scheduler_config.async_scheduling = async_scheduling
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-                ),
-            )
-        ],
-    )
-    cache_config.num_gpu_blocks = num_blocks
-    scheduler = cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
-        log_stats=True,
-    )
-    scheduler.sal_clock = clock or Clock()
-    return scheduler
-
-
-_next_token = [100]
-
-
-def make_request(
-    request_id: str,
-    prompt_tokens: int,
-    arrival_s: float,
-    *,
-    max_tokens: int = 4,
-    prompt: Sequence[int] | None = None,
-) -> Request:
-    """A request with its own prompt tokens (no accidental prefix-cache sharing)."""
-    init_none_hash(sha256)
-    if prompt is None:
-        _next_token[0] += 1
-        prompt = [_next_token[0] % 1900 + 20] * prompt_tokens
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        pooling_params=None,
-        arrival_time=arrival_s,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
-
-
 def admitted(output: Any) -> list[str]:
     """Request ids newly admitted by one ``schedule()``, in admission order."""
     return [r.req_id for r in output.scheduled_new_reqs]
-
-
-def run_step(scheduler: Any) -> Any:
-    """One engine step: schedule, fabricate the model output (one token per request whose
-    prefill is complete), feed it back. Returns the `SchedulerOutput`."""
-    output = scheduler.schedule()
-    ids = list(output.num_scheduled_tokens)
-    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [7] for r in ids]
-    runner_output = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=sampled,
-    )
-    scheduler.update_from_output(output, runner_output)
-    return output
 
 
 def expected_larry(scheduler: Any, now_s: float, alpha: float) -> list[str]:

@@ -21,7 +21,7 @@ from engine_patch.snapshot import (
     snapshot_path,
 )
 from engine_patch.stats_route import StatsMiddleware
-from sal_gateway.stats import ReplicaStats, parse_stats
+from sal_core.stats import ReplicaStats, parse_stats
 
 
 def make_stats(**overrides: Any) -> ReplicaStats:
@@ -46,9 +46,30 @@ def make_stats(**overrides: Any) -> ReplicaStats:
 
 
 def test_record_round_trips_through_the_binary_layout() -> None:
-    for stats in (make_stats(), make_stats(scheduler="fcfs", alpha=None, model="m/ü-名")):
+    cached = make_stats(
+        prefix_caching=True, prefix_hash_algo="xxhash_cbor", cached_prefill_tokens=9
+    )
+    for stats in (make_stats(), make_stats(scheduler="fcfs", alpha=None, model="m/ü-名"), cached):
         record = SnapshotRecord(stats, dp_rank=2, dp_local_count=4)
         assert decode_record(encode_record(record)) == record
+
+
+def test_layout_stays_compatible_with_the_original_record() -> None:
+    """The prefix-cache extension follows the original record: an old reader's bytes are a
+    prefix of the new record, and an old record (zero-filled after it) reads as caching off."""
+    from engine_patch import snapshot
+
+    record = SnapshotRecord(
+        make_stats(prefix_caching=True, prefix_hash_algo="sha256", cached_prefill_tokens=5), 0, 1
+    )
+    data = encode_record(record)
+    original = snapshot._RECORD.unpack(data[: snapshot._RECORD.size])
+    assert original[0] == record.stats.time
+    assert original[-1].rstrip(b"\0") == b"tiny"
+    old_file = data[: snapshot._RECORD.size].ljust(len(data), b"\0")
+    old = decode_record(old_file).stats
+    assert (old.prefix_caching, old.prefix_hash_algo, old.cached_prefill_tokens) == (False, None, 0)
+    assert old.queued_prefill_tokens == record.stats.queued_prefill_tokens
 
 
 def test_writer_and_reader_share_the_latest_record(tmp_path: Path) -> None:

@@ -2,31 +2,50 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sal_gateway.policies import (
+from sal_core.policies import (
+    DEFAULT_MIN_MATCH_TOKENS,
+    LLM_D_WEIGHTS,
     POLICIES,
     BackendView,
     NoEligibleBackend,
+    PolicySettings,
     RouteRequest,
     make_policy,
     sal_load,
 )
 
-backend_st = st.builds(
-    BackendView,
-    url=st.sampled_from(["http://a", "http://b", "http://c", "http://d"]),
-    eligible=st.booleans(),
-    in_flight=st.integers(0, 500),
-    free_kv_tokens=st.integers(0, 200_000),
-    queued_prefill_tokens=st.integers(0, 200_000),
-    max_num_batched_tokens=st.integers(1, 16_384),
-)
-pool_st = st.lists(backend_st, min_size=1, max_size=16)
+
+@st.composite
+def backend_st(draw: st.DrawFn) -> BackendView:
+    cached = draw(st.integers(0, 32_000))
+    return BackendView(
+        url=draw(st.sampled_from(["http://a", "http://b", "http://c", "http://d"])),
+        eligible=draw(st.booleans()),
+        in_flight=draw(st.integers(0, 500)),
+        free_kv_tokens=draw(st.integers(0, 200_000)),
+        queued_prefill_tokens=draw(st.integers(0, 200_000)),
+        max_num_batched_tokens=draw(st.integers(1, 16_384)),
+        cached_tokens=cached,
+        cached_held_tokens=draw(st.integers(0, cached)),
+        num_waiting=draw(st.integers(0, 300)),
+        kv_tokens_total=draw(st.integers(0, 400_000)),
+        indexed_tokens=draw(st.integers(0, 400_000)),
+    )
+
+
+pool_st = st.lists(backend_st(), min_size=1, max_size=16)
 request_st = st.builds(
-    RouteRequest, prompt_tokens=st.integers(0, 32_000), beta=st.floats(1.0, 50.0)
+    RouteRequest,
+    prompt_tokens=st.integers(0, 32_000),
+    beta=st.floats(1.0, 50.0),
+    affinity_key=st.none() | st.text(max_size=12),
 )
 
 
@@ -67,7 +86,7 @@ def _view(i: int, *, free: int = 10_000, queued: int = 0, in_flight: int = 0) ->
 
 @settings(max_examples=200, deadline=None)
 @given(
-    pool=st.lists(backend_st, min_size=2, max_size=8),
+    pool=st.lists(backend_st(), min_size=2, max_size=8),
     request=request_st,
     extra_free=st.integers(1, 100_000),
     fewer_queued=st.integers(1, 100_000),
@@ -159,6 +178,12 @@ def test_sal_select_is_the_argmin_of_sal_load(
     eligible = [i for i, b in enumerate(pool) if b.eligible]
     if not eligible:
         return
+
+    def counted(b: BackendView) -> tuple[int, int]:
+        if b.cached_tokens < DEFAULT_MIN_MATCH_TOKENS:
+            return 0, 0
+        return b.cached_tokens, b.cached_held_tokens
+
     loads = {
         i: sal_load(
             request.prompt_tokens,
@@ -166,6 +191,8 @@ def test_sal_select_is_the_argmin_of_sal_load(
             pool[i].queued_prefill_tokens,
             pool[i].max_num_batched_tokens,
             request.beta,
+            cached_tokens=counted(pool[i])[0],
+            cached_held_tokens=counted(pool[i])[1],
         )
         for i in eligible
     }
@@ -173,3 +200,144 @@ def test_sal_select_is_the_argmin_of_sal_load(
     decision = make_policy("sal").select(request, pool)
     assert decision.index == expected
     assert decision.score == pytest.approx(loads[expected])
+
+
+def _cache_view(url: str, **fields: int) -> BackendView:
+    base = {
+        "eligible": True,
+        "in_flight": 0,
+        "free_kv_tokens": 10_000,
+        "queued_prefill_tokens": 0,
+        "max_num_batched_tokens": 1_000,
+    }
+    return BackendView(url=url, **{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_sal_counts_only_uncached_prompt_tokens_as_prefill_work() -> None:
+    # Both replicas have 1,000 tokens queued; b holds 3,000 of the 4,000-token prompt.
+    pool = [
+        _cache_view("a", queued_prefill_tokens=1_000),
+        _cache_view("b", queued_prefill_tokens=1_500, cached_tokens=3_000),
+    ]
+    request = RouteRequest(prompt_tokens=4_000, beta=2.0)
+    decision = make_policy("sal").select(request, pool)
+    assert decision.url == "b"
+    assert decision.score == pytest.approx((1_500 + 1_000) / 1_000)
+    # The paper's Eq. 2 does not see the cache: a has less queued work.
+    assert make_policy("sal_paper").select(request, pool).url == "a"
+
+
+def test_sal_credits_only_held_cached_blocks_in_the_memory_term() -> None:
+    # Free KV is short on both; b's cached prefix is evictable (unheld): it still consumes
+    # free KV, so the memory term is the same as without the cache.
+    unheld = _cache_view("b", free_kv_tokens=1_000, cached_tokens=3_000)
+    request = RouteRequest(prompt_tokens=4_000, beta=2.0)
+    assert make_policy("sal").select(request, [unheld]).score == pytest.approx(2.0 * 3_000)
+    held = _cache_view("b", free_kv_tokens=1_000, cached_tokens=3_000, cached_held_tokens=3_000)
+    # Held blocks need no new KV: 1,000 new tokens fit in 1,000 free -> the queue term rules.
+    assert make_policy("sal").select(request, [held]).score == pytest.approx(1.0)
+
+
+def test_sal_ignores_matches_shorter_than_the_configured_minimum() -> None:
+    # a holds only the universal opening block; b holds nothing but has fewer requests.
+    pool = [
+        _cache_view("a", in_flight=2, cached_tokens=512, cached_held_tokens=512),
+        _cache_view("b", in_flight=1),
+    ]
+    request = RouteRequest(prompt_tokens=4_000)
+    assert make_policy("sal").select(request, pool).url == "b"
+    counts_all = make_policy("sal", settings=PolicySettings(min_match_tokens=0))
+    assert counts_all.select(request, pool).url == "a"
+    longer = [replace(pool[0], cached_tokens=DEFAULT_MIN_MATCH_TOKENS), pool[1]]
+    assert make_policy("sal").select(request, longer).url == "a"
+
+
+def test_policy_settings_reject_a_negative_minimum() -> None:
+    with pytest.raises(ValueError, match="min_match_tokens"):
+        PolicySettings(min_match_tokens=-1)
+
+
+def test_sal_spreads_a_hot_prefix_once_its_replica_queues_up() -> None:
+    # Every replica but a misses the 6,000-token shared prefix. A request costs a 500 tokens
+    # of prefill, the others 6,500: a takes requests until the 6,000 uncached tokens queued
+    # there make it as slow as an empty replica, then the prefix spreads.
+    pool = [_cache_view(u, max_num_batched_tokens=2_048) for u in "abcd"]
+    pool[0] = replace(pool[0], cached_tokens=6_000)
+    request = RouteRequest(prompt_tokens=6_500)
+    picks = []
+    policy = make_policy("sal")
+    for _ in range(16):
+        d = policy.select(request, pool)
+        picks.append(d.url)
+        b = pool[d.index]
+        uncached = request.prompt_tokens - b.cached_tokens
+        pool[d.index] = replace(
+            b, queued_prefill_tokens=b.queued_prefill_tokens + uncached, in_flight=b.in_flight + 1
+        )
+    assert picks[:12] == ["a"] * 12
+    assert picks[12:] == ["b", "c", "d", "a"]
+
+
+def test_prefix_affinity_sticks_to_a_key_and_moves_only_a_departed_backends_keys() -> None:
+    pool = [_view(i) for i in range(5)]
+    policy = make_policy("prefix_affinity")
+    keys = [f"session-{k}" for k in range(300)]
+    home = {k: policy.select(RouteRequest(100, affinity_key=k), pool).index for k in keys}
+    assert all(
+        policy.select(RouteRequest(100, affinity_key=k), pool).index == home[k] for k in keys
+    )
+    assert min(Counter(home.values()).values()) > 30  # spread over all five
+    ejected = [*pool[:2], replace(pool[2], eligible=False), *pool[3:]]
+    moved = {
+        k
+        for k in keys
+        if policy.select(RouteRequest(100, affinity_key=k), ejected).index != home[k]
+    }
+    assert moved == {k for k in keys if home[k] == 2}
+
+
+def test_prefix_affinity_without_a_key_takes_the_least_loaded() -> None:
+    pool = [_view(0, in_flight=4), _view(1, in_flight=2), _view(2, in_flight=3)]
+    assert make_policy("prefix_affinity").select(RouteRequest(100), pool).index == 1
+
+
+def test_llm_d_sums_its_default_weighted_scorers() -> None:
+    assert LLM_D_WEIGHTS == {"queue": 2.0, "kv_cache_utilization": 2.0, "prefix_cache": 3.0}
+    # a: whole prompt cached, longest queue, half its KV free -> 3*1 + 2*0 + 2*0.5 = 4.
+    # b: nothing cached, empty queue, all KV free             -> 0 + 2*1 + 2*1.0 = 4.
+    # c: nothing cached, empty queue, half free               -> 0 + 2 + 1 = 3.
+    a = _cache_view("a", cached_tokens=1_000, num_waiting=6, kv_tokens_total=20_000)
+    b = _cache_view("b", free_kv_tokens=20_000, kv_tokens_total=20_000)
+    c = _cache_view("c", kv_tokens_total=20_000)
+    request = RouteRequest(prompt_tokens=1_000)
+    picks = {make_policy("llm_d", seed=s).select(request, [a, b, c]).url for s in range(30)}
+    assert picks == {"a", "b"}  # a tie at 4, broken at random; c never
+    # Half the prompt cached: 1.5 + 0 + 1 = 2.5 < b's 4.
+    half = replace(a, cached_tokens=500)
+    decision = make_policy("llm_d").select(request, [half, b, c])
+    assert decision.url == "b"
+    assert decision.score == pytest.approx(-4.0)
+
+
+def test_cache_aware_follows_a_good_match_while_load_is_balanced() -> None:
+    pool = [
+        _cache_view("a", in_flight=3, indexed_tokens=50_000),
+        _cache_view("b", in_flight=5, cached_tokens=2_000, indexed_tokens=90_000),
+        _cache_view("c", in_flight=4, indexed_tokens=10_000),
+    ]
+    policy = make_policy("cache_aware")
+    assert policy.select(RouteRequest(prompt_tokens=4_000), pool).url == "b"  # 50% > 30%
+    # 2,000 of 10,000 (20%) is not enough: the smallest tree gets it.
+    assert policy.select(RouteRequest(prompt_tokens=10_000), pool).url == "c"
+
+
+def test_cache_aware_falls_back_to_the_least_loaded_when_imbalanced() -> None:
+    pool = [
+        _cache_view("a", in_flight=100, cached_tokens=4_000),
+        _cache_view("b", in_flight=30),
+    ]
+    # 100 - 30 > 64 and 100 > 1.5 * 30: shortest queue, the match is ignored.
+    assert make_policy("cache_aware").select(RouteRequest(4_000), pool).url == "b"
+    # 100 vs 70: within the relative threshold, the match wins.
+    pool[1] = replace(pool[1], in_flight=70)
+    assert make_policy("cache_aware").select(RouteRequest(4_000), pool).url == "a"

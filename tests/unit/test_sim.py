@@ -15,7 +15,7 @@ from engine_sim.simulator import (
     submit_to_engine_model,
 )
 from engine_sim.trace import TraceRequest, gamma_arrivals
-from sal_gateway.beta import BetaEstimator
+from sal_core.beta import BetaEstimator
 
 PROFILE_8B = "llama3-8b-a100"
 

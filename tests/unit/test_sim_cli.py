@@ -12,7 +12,8 @@ import pytest
 from bench import experiments
 from bench.cli import COMMANDS, main
 from bench.progress import ProgressBar
-from tests.conftest import SHARED_DATA
+from engine_sim.trace import load_azure_csv
+from tests.conftest import DATA_DIR
 
 CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -95,6 +96,32 @@ def test_simulate_reports_a_missing_trace_without_a_traceback(
     assert "nope.csv" in capsys.readouterr().err
 
 
+def test_simulate_replays_the_committed_chat_trace_without_trace_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _simulate_args(Path("unused"), "--json", "--duration-s", "20")
+    del args[1:3]  # no --trace: the chat trace in the repository's data/
+    assert main(args) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["config"]["trace"] == str(DATA_DIR / "AzureLLMInferenceTrace_conv.csv")
+    window = load_azure_csv(DATA_DIR / "AzureLLMInferenceTrace_conv.csv", duration_s=20)
+    assert body["summary"]["requests"] == len(window) > 0
+
+
+def test_a_missing_trace_names_the_data_folder_override(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An installed copy with no clone beside it: the error says how to provide the traces.
+    monkeypatch.setenv("SAL_DATA_DIR", str(tmp_path))
+    args = _simulate_args(Path("unused"))
+    del args[1:3]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "AzureLLMInferenceTrace_conv.csv") in err
+    assert "SAL_DATA_DIR" in err
+    assert "Traceback" not in err
+
+
 def test_unknown_router_is_rejected_with_the_known_names(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -126,7 +153,7 @@ def test_experiments_write_tables_and_plots(
     )
     monkeypatch.setattr(experiments, "QUICK", tiny)
     out = tmp_path / "results"
-    data = str(SHARED_DATA)
+    data = str(DATA_DIR)
     assert main(["experiments", "--quick", "--out", str(out), "--data-dir", data]) == 0
     report = (out / "results.md").read_text()
     assert "LARRY vs the next-best engine scheduler" in report
@@ -136,9 +163,10 @@ def test_experiments_write_tables_and_plots(
     assert pngs == ["fleet_8xllama3-8b-a100_chat-bursty_1x.png", "single_chat.png"]
     assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
     rows = json.loads((out / "results.json").read_text())["rows"]
-    # 2 loads x 6 schedulers, 3 engine schedulers x 3 routers, 1 what-if SAL variant,
+    # 2 loads x 8 schedulers, 3 engine schedulers x 3 routers, 1 what-if SAL variant,
     # 5 staleness settings.
-    assert len(rows) == 2 * 6 + 3 * 3 + 1 + 5
+    assert len(rows) == 2 * len(experiments.SINGLE_SCHEDULERS) + 3 * 3 + 1 + 5
+    assert {r["scheduler"] for r in rows} >= {"larry_tail", "tgi"}
     assert "sensitivity to poll staleness" in report
     assert "What-if: SAL with ties broken" in report
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from sal_gateway.stats import ReplicaStats, StatsSchemaError, parse_stats
+from sal_core.stats import ReplicaStats, StatsSchemaError, parse_stats
 
 
 def _sample() -> ReplicaStats:
@@ -32,8 +33,28 @@ def test_round_trip_through_json() -> None:
     stats = _sample()
     body = json.loads(json.dumps(stats.to_dict()))
     assert next(iter(body)) == "schema"
-    assert body["schema"] == "sal-stats/1"
+    assert body["schema"] == "sal-stats/1.1"
     assert parse_stats(body) == stats
+
+
+def test_prefix_cache_fields_round_trip_and_default_when_absent() -> None:
+    """sal-stats/1.1 added the prefix-cache fields; a sal-stats/1 body reads as caching off."""
+    cached = replace(
+        _sample(), prefix_caching=True, prefix_hash_algo="sha256", cached_prefill_tokens=64
+    )
+    assert parse_stats(json.loads(json.dumps(cached.to_dict()))) == cached
+    old = {
+        k: v
+        for k, v in _sample().to_dict().items()
+        if k not in ("prefix_caching", "prefix_hash_algo", "cached_prefill_tokens")
+    }
+    old["schema"] = "sal-stats/1"
+    parsed = parse_stats(old)
+    assert (parsed.prefix_caching, parsed.prefix_hash_algo, parsed.cached_prefill_tokens) == (
+        False,
+        None,
+        0,
+    )
 
 
 def test_unknown_fields_are_ignored_and_minor_versions_accepted() -> None:
@@ -54,6 +75,10 @@ def test_unknown_fields_are_ignored_and_minor_versions_accepted() -> None:
         ({"time": 10**400}, "'time' must be a finite number"),
         ({"alpha": "one"}, "'alpha' must be a finite number or null"),
         ({"alpha": float("-inf")}, "'alpha' must be a finite number or null"),
+        ({"prefix_caching": "yes"}, "'prefix_caching' must be a boolean"),
+        ({"prefix_hash_algo": 7}, "'prefix_hash_algo' must be a short string or null"),
+        ({"prefix_hash_algo": "x" * 1000}, "'prefix_hash_algo' must be a short string"),
+        ({"cached_prefill_tokens": -3}, "'cached_prefill_tokens' must be >= 0"),
     ],
 )
 def test_bad_bodies_are_rejected_naming_the_field(patch: dict[str, object], message: str) -> None:

@@ -19,9 +19,8 @@ from engine_sim.trace import (
     scale_load,
     with_gamma_arrivals,
 )
-from tests.conftest import SHARED_DATA
+from tests.conftest import DATA_DIR as DATA
 
-DATA = SHARED_DATA
 CSV_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
@@ -79,7 +78,7 @@ def test_malformed_csv_names_the_problem(tmp_path: Path) -> None:
         load_azure_csv(_write(tmp_path, "2023-11-16 18:00:00.0,1,1\n2023-11-16 x,1,1\n"))
 
 
-def test_the_shared_chat_trace_loads_whole() -> None:
+def test_the_committed_chat_trace_loads_whole() -> None:
     reqs = load_azure_csv(DATA / "AzureLLMInferenceTrace_conv.csv")
     assert len(reqs) == 19366
     assert 58 * 60 < reqs[-1].arrival_s < 59 * 60

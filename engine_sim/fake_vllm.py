@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sal_gateway.stats import ReplicaStats
+from sal_core.stats import ReplicaStats
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -91,7 +91,17 @@ class FakeBehaviour:
     """Serve exactly these bytes on ``/stats`` with status 200 (a malformed body)."""
     stall_after_chunks: int | None = None
     """Streams: after the headers and this many SSE chunks, send nothing more but keep the
-    connection open until the client goes away (0: a frozen engine behind a live API server)."""
+    connection open until the client goes away (0: a frozen engine behind a live API server),
+    or for `stall_s`."""
+    stall_s: float | None = None
+    """A stall lasts this long, then the stream goes on (a request queued behind others on a
+    working engine); None: until the client goes away."""
+    stall_freezes_engine: bool = False
+    """When a stream stalls (or a request hangs, `hang`), the engine freezes too
+    (`engine_frozen`): a hung replica, as opposed to a request queued on a live one."""
+    keep_alive_s: float | None = None
+    """During a stall, an SSE comment (``: keep-alive``) every this many seconds, as vLLM's
+    API server sends with ``--sse-keep-alive-interval`` (even when its engine froze)."""
 
 
 @dataclass(slots=True)
@@ -129,7 +139,7 @@ class FakeBackend:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path, method = scope["path"], scope["method"]
-        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+        if method == "POST" and path != "/v1/models":  # completions, chat, or any other relay
             self.last_headers = {
                 k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
             }
@@ -211,7 +221,8 @@ class FakeBackend:
             await _send_json(send, 400, {"error": {"message": "bad json", "code": 400}}, self.name)
             return
         self.received.append(body)
-        del self.received[: -self.keep_received]
+        # `[:-0]` would be empty: 0 keeps nothing, as documented.
+        del self.received[: len(self.received) - max(0, self.keep_received)]
         gone = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(receive, gone))
         try:
@@ -226,6 +237,8 @@ class FakeBackend:
     ) -> None:
         b = self.behaviour
         if b.hang:
+            if b.stall_freezes_engine:
+                b.engine_frozen = True
             await gone.wait()
             return
         if b.first_byte_delay_s > 0:
@@ -237,6 +250,9 @@ class FakeBackend:
                 {"error": {"message": "fake failure", "code": b.fail_status}},
                 self.name,
             )
+            return
+        if path not in ("/v1/completions", "/v1/chat/completions"):
+            await self._answer_other(path, body, send)
             return
         chat = path.endswith("/chat/completions")
         prompt_tokens = _prompt_tokens(body)
@@ -287,14 +303,22 @@ class FakeBackend:
         )
         sent = 0
         n_chunks = 0
+        stalled = False
         while sent < output_tokens:
             if gone.is_set():
                 return
             if b.close_after_chunks is not None and n_chunks >= b.close_after_chunks:
                 raise ConnectionAbortedError("fake backend crashed mid-stream")
-            if b.stall_after_chunks is not None and n_chunks >= b.stall_after_chunks:
-                await gone.wait()
-                return
+            if (
+                not stalled
+                and b.stall_after_chunks is not None
+                and n_chunks >= b.stall_after_chunks
+            ):
+                stalled = True
+                if b.stall_freezes_engine:
+                    b.engine_frozen = True
+                if await self._stall(send, gone):
+                    return
             k = min(b.tokens_per_chunk, output_tokens - sent)
             sent += k
             n_chunks += 1
@@ -325,6 +349,47 @@ class FakeBackend:
                 }
             )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _stall(self, send: Send, gone: asyncio.Event) -> bool:
+        """Send nothing but keep-alive comments for the stall (`FakeBehaviour.stall_s`);
+        True when the client went away meanwhile."""
+        b = self.behaviour
+        until = None if b.stall_s is None else time.monotonic() + b.stall_s
+        while until is None or time.monotonic() < until:
+            wait_s = b.keep_alive_s
+            if until is not None:
+                left = until - time.monotonic()
+                wait_s = left if wait_s is None else min(wait_s, left)
+            try:
+                await asyncio.wait_for(gone.wait(), wait_s)
+                return True
+            except TimeoutError:
+                pass
+            if b.keep_alive_s is not None and (until is None or time.monotonic() < until):
+                comment = b": keep-alive\n\n"
+                await send({"type": "http.response.body", "body": comment, "more_body": True})
+        return gone.is_set()
+
+    async def _answer_other(self, path: str, body: dict[str, Any], send: Send) -> None:
+        """Any other endpoint (responses, embeddings, tokenize, ...): JSON naming the path
+        with the body echoed, or for ``stream: true`` two named SSE events, the last one
+        with Responses-style usage."""
+        usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": 0}
+        if not body.get("stream"):
+            obj = {"object": "fake.relay", "path": path, "backend": self.name, "echo": body}
+            await _send_json(send, 200, {**obj, "usage": usage}, self.name)
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"x-fake-backend", self.name.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        done = {"input_tokens": usage["prompt_tokens"], "output_tokens": 1}
+        events = (
+            ("response.created", {"type": "response.created", "path": path}),
+            ("response.completed", {"type": "response.completed", "response": {"usage": done}}),
+        )
+        for name, event in events:
+            data = f"event: {name}\ndata: {json.dumps(event)}\n\n".encode()
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:

@@ -6,6 +6,12 @@ Pure: no I/O. Replicas (the vLLM patch, the emulator) build a `ReplicaStats` and
 
 Readers ignore unknown fields and reject an unknown *major* schema (``sal-stats/2``);
 a minor suffix (``sal-stats/1.3``) is accepted.
+
+Minor 1 (``sal-stats/1.1``) added what a router needs to predict prefix-cache hits:
+``prefix_caching``, ``prefix_hash_algo``, ``cached_prefill_tokens`` and the engine's own
+hit counters ``prefix_cache_hit_tokens`` / ``prefix_cache_query_tokens`` (and made
+``queued_prefill_tokens`` net of the tokens the replica's prefix cache already holds). A body
+without them (``sal-stats/1``, or stock replicas) reads as prefix caching off.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SCHEMA = "sal-stats/1"
+SCHEMA = "sal-stats/1.1"
 SCHEMA_MAJOR = "sal-stats/1"
 
 
@@ -45,12 +51,29 @@ class ReplicaStats:
     free_kv_tokens: int
     """``kv_blocks_free * block_size``."""
     queued_prefill_tokens: int
-    """Uncomputed prompt tokens of waiting requests plus remaining prefill of running ones."""
+    """Uncomputed prompt tokens of waiting requests plus remaining prefill of running ones,
+    net of the leading tokens of waiting prompts that the prefix cache holds (they need no
+    prefill)."""
     num_waiting: int
     num_running: int
     max_num_batched_tokens: int
     """Per-step token budget (``--max-num-batched-tokens``)."""
     max_num_seqs: int
+    prefix_caching: bool = False
+    """vLLM's automatic prefix caching is on (``--enable-prefix-caching``): full prompt
+    blocks stay cached after their request ends, and `block_size` is the block of its keys."""
+    prefix_hash_algo: str | None = None
+    """vLLM's ``--prefix-caching-hash-algo`` (``sha256``, ``sha256_cbor``, ``xxhash``, ...),
+    the hash of the block keys its KV-cache events carry; None when caching is off."""
+    cached_prefill_tokens: int = 0
+    """Leading prompt tokens of waiting requests found in the prefix cache (left out of
+    `queued_prefill_tokens`)."""
+    prefix_cache_query_tokens: int = 0
+    """Prompt tokens of the requests admitted since the engine started (preempted ones
+    resumed not counted again), as vLLM's ``vllm:prefix_cache_queries`` counter."""
+    prefix_cache_hit_tokens: int = 0
+    """Of those, the tokens found in the prefix cache (``vllm:prefix_cache_hits``): with
+    the query counter, the replica's achieved hit rate."""
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,6 +82,7 @@ class ReplicaStats:
         return {"schema": body.pop("schema"), **body}
 
 
+_MAX_ALGO_CHARS = 32
 _INT_FIELDS = (
     "step",
     "block_size",
@@ -71,6 +95,12 @@ _INT_FIELDS = (
     "max_num_batched_tokens",
     "max_num_seqs",
 )
+_OPTIONAL_INT_FIELDS = (
+    "cached_prefill_tokens",
+    "prefix_cache_query_tokens",
+    "prefix_cache_hit_tokens",
+)
+"""Added in minor versions: absent means 0."""
 
 
 def _int_field(obj: dict[str, Any], name: str) -> int:
@@ -126,11 +156,24 @@ def parse_stats(obj: object) -> ReplicaStats:
     if not isinstance(scheduler, str):
         raise StatsSchemaError(f"/stats field 'scheduler' must be a string, got {scheduler!r}")
     ints = {name: _int_field(obj, name) for name in _INT_FIELDS}
+    for name in _OPTIONAL_INT_FIELDS:
+        if name in obj:
+            ints[name] = _int_field(obj, name)
+    caching = obj.get("prefix_caching", False)
+    if not isinstance(caching, bool):
+        raise StatsSchemaError(f"/stats field 'prefix_caching' must be a boolean, got {caching!r}")
+    algo = obj.get("prefix_hash_algo")
+    if algo is not None and (not isinstance(algo, str) or len(algo) > _MAX_ALGO_CHARS):
+        raise StatsSchemaError(
+            f"/stats field 'prefix_hash_algo' must be a short string or null, got {algo!r:.60}"
+        )
     return ReplicaStats(
         time=time_s,
         model=model,
         scheduler=scheduler,
         alpha=alpha,
         schema=schema,
+        prefix_caching=caching,
+        prefix_hash_algo=algo,
         **ints,
     )

@@ -33,9 +33,10 @@ from engine_patch import tiny_model
 from engine_sim.cost_model import PROFILES
 from engine_sim.emulator import run_emulators
 from engine_sim.schedulers import ENGINE_SCHEDULERS
+from sal_core.percentile import percentile
+from sal_core.policies import POLICIES
 from sal_gateway.app import create_app, load_counters
 from sal_gateway.config import GatewayConfig, build_config
-from sal_gateway.policies import POLICIES
 
 MODEL_NAME = "demo-llama"
 
@@ -128,27 +129,42 @@ async def _one_request(
     return _Result(ttft_s, time.perf_counter() - start, len(prompt), ok)
 
 
+_FOLLOW_UP_SHARE = 0.5
+"""Share of built-in requests that continue an earlier conversation (its prompt + more)."""
+_MAX_CONVERSATION_TOKENS = 3_500
+"""A follow-up never grows a prompt past the longest fresh one (the demo model's context is
+4,096 tokens, outputs up to 400)."""
+
+
+def _next_prompt(rng: random.Random, conversations: list[list[int]], prompt_len: int) -> list[int]:
+    """A new conversation, or (half the time) an earlier prompt extended by `prompt_len`
+    tokens, so the replicas' prefix caches have something to hit."""
+    fresh = [rng.randrange(10, 1000) for _ in range(prompt_len)]
+    if conversations and rng.random() < _FOLLOW_UP_SHARE:
+        i = rng.randrange(len(conversations))
+        prompt = conversations[i] + fresh
+        if len(prompt) <= _MAX_CONVERSATION_TOKENS:
+            conversations[i] = prompt
+            return prompt
+    conversations.append(fresh)
+    return fresh
+
+
 async def run_load(base_url: str, options: DemoOptions) -> list[_Result]:
     """Send `options.requests` streaming completions at a Poisson rate; return their timings."""
     rng = random.Random(options.seed)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     timeout = httpx.Timeout(600.0)
+    conversations: list[list[int]] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         tasks: list[asyncio.Task[_Result]] = []
         for _ in range(options.requests):
             prompt_len, output_len = _lengths(rng)
-            prompt = [rng.randrange(10, 1000) for _ in range(prompt_len)]
+            prompt = _next_prompt(rng, conversations, prompt_len)
             url = f"{base_url}/v1/completions"
             tasks.append(asyncio.create_task(_one_request(client, url, prompt, output_len)))
             await asyncio.sleep(rng.expovariate(options.rate_per_s))
         return list(await asyncio.gather(*tasks))
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def _routing_share(metrics_text: str) -> dict[str, float]:
@@ -161,20 +177,38 @@ def _routing_share(metrics_text: str) -> dict[str, float]:
     return share
 
 
-def format_summary(results: list[_Result], share: dict[str, float], options: DemoOptions) -> str:
+def prefix_cache_hit_rate(metrics_texts: Sequence[str]) -> float:
+    """Prompt tokens the replicas served from their prefix caches / tokens they looked up
+    (vLLM's ``prefix_cache_hits`` / ``prefix_cache_queries``, summed over replicas)."""
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for text in metrics_texts:
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    queries = totals["vllm:prefix_cache_queries_total"]
+    return totals["vllm:prefix_cache_hits_total"] / queries if queries else 0.0
+
+
+def format_summary(
+    results: list[_Result], share: dict[str, float], options: DemoOptions, hit_rate: float = 0.0
+) -> str:
     """The table printed after the built-in load."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok]
     total = [r.total_s for r in ok]
+    ttft_ms = [1000 * t for t in ttft]
     lines = [
         f"built-in load: {len(results)} requests at {options.rate_per_s}/s, policy "
         f"{options.policy}, engine {options.scheduler}, profile {options.profile}",
         f"  succeeded            {len(ok)}/{len(results)}",
-        f"  TTFT p50 / p95       {_pct(ttft, 50) * 1000:8.1f} ms / {_pct(ttft, 95) * 1000:8.1f} ms",
-        f"  total p50 / p95      {_pct(total, 50):8.2f} s  / {_pct(total, 95):8.2f} s",
+        f"  TTFT p50 / p95       {percentile(ttft_ms, 50):8.1f} ms / "
+        f"{percentile(ttft_ms, 95):8.1f} ms",
+        f"  total p50 / p95      {percentile(total, 50):8.2f} s  / {percentile(total, 95):8.2f} s",
     ]
     if ttft:
         lines.append(f"  mean TTFT            {statistics.fmean(ttft) * 1000:8.1f} ms")
+    lines.append(f"  prefix-cache hits    {hit_rate:8.1%} of prompt tokens (replicas' /metrics)")
     n = sum(share.values()) or 1.0
     for backend, count in sorted(share.items()):
         lines.append(f"  routed to {backend:<24} {count / n:6.1%}")
@@ -221,7 +255,9 @@ async def run_demo(options: DemoOptions) -> None:
             results = await run_load(base_url, options)
             async with httpx.AsyncClient() as client:
                 metrics = (await client.get(f"{base_url}/metrics")).text
-            print(format_summary(results, _routing_share(metrics), options), flush=True)
+                replica_metrics = [(await client.get(f"{u}/metrics")).text for u in urls]
+            hits = prefix_cache_hit_rate(replica_metrics)
+            print(format_summary(results, _routing_share(metrics), options, hits), flush=True)
             if options.exit_after_load:
                 server.should_exit = True
         await serve_task
@@ -246,7 +282,7 @@ def _banner(options: DemoOptions, urls: Sequence[str], base_url: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``demo`` subcommand's flags (called by `sal_gateway.cli`)."""
+    """The ``demo`` subcommand's flags."""
     d = DemoOptions()
     parser.add_argument("--replicas", type=int, default=d.replicas)
     parser.add_argument("--host", default=d.host)
@@ -286,7 +322,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed CLI flags; exit status 2 on bad flags."""
     try:
         options = options_from_args(args)
@@ -296,3 +332,39 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run_demo(options))
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class DemoCommand:
+    """``sal-gateway demo``, registered in the ``sal_gateway.commands`` entry-point group
+    (pyproject.toml) so the gateway's CLI reaches it without importing the simulator."""
+
+    help: str = "run the gateway in front of N emulated vLLM replicas (no GPU needed)"
+    description: str = (
+        "The gateway in front of emulated vLLM replicas in one process; "
+        "optionally drives a built-in load and prints a summary."
+    )
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """The demo's flags."""
+        add_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Run the demo."""
+        return run(args)
+
+
+COMMAND = DemoCommand()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m engine_sim.demo [flags]``: the demo without the gateway's CLI."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_sim.demo", description=COMMAND.description
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

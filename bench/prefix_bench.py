@@ -1,0 +1,369 @@
+"""``sal-bench prefix``: prefix-cache-aware routing on the simulator (issue 9's numbers).
+
+    sal-bench prefix --out docs/results [--quick] [--only SCENARIO ...]
+
+Every scenario replays a workload with prefix structure (`engine_sim.workloads`) through a
+fleet of engine models with vLLM's prefix caching on, once per router x engine scheduler x
+seed; prefix-aware routers read the router's approximate index (`engine_sim.router_cache`),
+the others see no cache. Then three checks: the hot-prefix "death spiral", the approximate
+index against the oracle (vLLM KV events), and the Azure trace (no reuse: cache-aware SAL
+must equal the paper's SAL). Writes ``prefix.json`` (every run) and ``prefix.md``
+(`bench.prefix_report`) to ``--out``; the whole command runs under ``nice -n 19`` in about
+20-40 minutes on a busy 2-core machine (``--quick``: a few minutes, one seed, quarter windows).
+
+Windows (to keep runs affordable on 2 shared cores): Mooncake traces, three windows of
+`Scenario.window_s` (60) trace seconds starting at 0, 1,000 and 2,000 s (synthetic: 0, 300,
+600 s), scaled by the load factor (at load 0.3: 200 s of arrivals, ~180 requests); the chat
+generator, seeds 0, 1, 2 with 30 s of conversation starts (~30 conversations, ~150
+requests). Every request of a window runs to completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine_sim.data import (
+    AZURE_CHAT,
+    MOONCAKE_CONVERSATION,
+    MOONCAKE_SYNTHETIC,
+    SHAREGPT_STATS,
+    data_dir,
+    missing_message,
+)
+from engine_sim.simulator import RouterConfig, SimResult, simulate
+from engine_sim.trace import TraceRequest, load_azure_csv, scale_load
+from engine_sim.workloads import (
+    ChatSpec,
+    hot_prefix,
+    load_mooncake,
+    load_sharegpt_lengths,
+    multi_turn_chat,
+)
+from sal_core.policies import (
+    PREFIX_AWARE_POLICIES,
+    SAL,
+    BackendView,
+    Decision,
+    Policy,
+    RouteRequest,
+)
+
+HELP = "prefix-cache-aware routing: workloads x profiles x routers x engines (issue 9)"
+
+Row = dict[str, Any]
+
+ROUTERS = ("sal", "sal_paper", "p2c", "least_requests", "prefix_affinity", "llm_d", "cache_aware")
+ENGINES = ("fcfs", "larry")
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One workload on one fleet at one load."""
+
+    name: str
+    workload: str
+    """``conversation`` / ``synthetic`` (Mooncake) or ``chat`` (generator)."""
+    profile: str
+    replicas: int
+    load_factor: float
+    window_s: float = 60.0
+    """Mooncake: trace seconds per window; chat: seconds of conversation starts."""
+    think_time_s: tuple[float, float] = (5.0, 60.0)
+    regime: str = ""
+    """What the issue expects here: "reuse survives" or "reuse does not survive"."""
+    routers: tuple[str, ...] = ROUTERS
+    engines: tuple[str, ...] = ENGINES
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "conversation-40gb", "conversation", "llama31-8b-a100", 4, 0.3,
+        regime="reuse does not survive",
+    ),
+    Scenario(
+        "conversation-40gb-sat", "conversation", "llama31-8b-a100", 4, 0.45,
+        regime="reuse does not survive (near saturation)", engines=("fcfs",),
+    ),
+    Scenario(
+        "synthetic-80gb", "synthetic", "llama31-8b-a100-80gb", 4, 0.3, window_s=300.0,
+        regime="reuse survives", routers=("sal", "sal_paper", "p2c", "llm_d", "cache_aware"),
+        engines=("fcfs",),
+    ),
+    Scenario(
+        "chat-short-80gb", "chat", "llama31-8b-a100-80gb", 4, 20.0, window_s=30.0,
+        think_time_s=(5.0, 60.0), regime="reuse survives",
+    ),
+    Scenario(
+        "chat-long-40gb", "chat", "llama31-8b-a100", 4, 24.0, window_s=30.0,
+        think_time_s=(60.0, 120.0), regime="reuse does not survive",
+    ),
+)  # fmt: skip
+"""The measured grid (loads chosen so P2C's p50 TTFT is ~1-10 s, `docs/results/prefix.md`)."""
+
+CHAT_RATE_PER_S = 0.3
+"""New conversations per second at load factor 1."""
+
+
+@dataclass(slots=True)
+class Context:
+    data: Path
+    quick: bool
+    lengths: list[tuple[int, int]] = field(default_factory=list)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--quick", action="store_true", help="one seed, short windows")
+    parser.add_argument("--data-dir", type=Path, default=None, help="folder with the traces")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="scenario names (default: all, plus checks)"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite prefix.md from prefix.json"
+    )
+
+
+def workload(ctx: Context, sc: Scenario, seed: int) -> list[TraceRequest]:
+    """The requests of one scenario window / seed, at its load factor."""
+    window = sc.window_s / (4 if ctx.quick else 1)
+    if sc.workload in ("conversation", "synthetic"):
+        path = ctx.data / (
+            MOONCAKE_CONVERSATION if sc.workload == "conversation" else MOONCAKE_SYNTHETIC
+        )
+        starts = (0.0, 1000.0, 2000.0) if sc.workload == "conversation" else (0.0, 300.0, 600.0)
+        reqs = load_mooncake(
+            path, context_limit_tokens=131_072, start_s=starts[seed], duration_s=window
+        )
+        return scale_load(reqs, sc.load_factor)
+    if not ctx.lengths:
+        ctx.lengths = load_sharegpt_lengths(ctx.data / SHAREGPT_STATS)
+    rate = CHAT_RATE_PER_S * sc.load_factor
+    spec = ChatSpec(
+        conversations=max(2, round(rate * window)), rate_per_s=rate, think_time_s=sc.think_time_s
+    )
+    return multi_turn_chat(spec, ctx.lengths, seed)
+
+
+class SalCreditAll(SAL):
+    """What-if (never used by the gateway): SAL that credits *every* cached token in the
+    memory term, as if reusing an evictable cached block cost no free KV. vLLM counts those
+    blocks as free, so this counts them twice and over-packs KV."""
+
+    name = "sal_credit_all"
+
+    def select(self, request: RouteRequest, backends: Sequence[BackendView]) -> Decision:
+        views = [
+            BackendView(
+                b.url, b.eligible, b.in_flight, b.free_kv_tokens, b.queued_prefill_tokens,
+                b.max_num_batched_tokens, b.cached_tokens, b.cached_tokens, b.num_waiting,
+                b.kv_tokens_total, b.indexed_tokens,
+            )
+            for b in backends
+        ]  # fmt: skip
+        return super().select(request, views)
+
+
+def run_one(
+    requests: Sequence[TraceRequest],
+    profile: str,
+    replicas: int,
+    router: str,
+    engine: str,
+    seed: int,
+    source: str | None = None,
+) -> tuple[SimResult, float]:
+    """One simulation; `source` None: approximate for prefix-aware routers, else none."""
+    what_if: Policy | None = SalCreditAll() if router == SalCreditAll.name else None
+    if source is None:
+        aware = router in PREFIX_AWARE_POLICIES or what_if is not None
+        source = "approximate" if aware else "none"
+    t0 = time.perf_counter()
+    result = simulate(
+        requests,
+        replicas=replicas,
+        scheduler=engine,
+        profile=profile,
+        router=RouterConfig(policy="sal" if what_if else router, seed=seed, cache_source=source),
+        enable_prefix_caching=True,
+        policy=what_if,
+    )
+    return result, time.perf_counter() - t0
+
+
+def row_of(result: SimResult, **labels: Any) -> Row:
+    s = result.summary
+    routed = result.routed_per_replica
+    return {
+        **labels,
+        "requests": s.requests,
+        "unfinished": result.unfinished,
+        "ttft_p50_s": s.ttft_p50_s,
+        "ttft_p95_s": s.ttft_p95_s,
+        "ttft_p99_s": s.ttft_p99_s,
+        "tgt_p50_s": s.tgt_p50_s,
+        "hit_rate": s.hit_rate,
+        "predicted_hit_rate": s.predicted_hit_rate,
+        "preemptions_per_100": 100.0 * s.preemption_rate,
+        "busiest_share": max(routed) / max(1, sum(routed)),
+    }
+
+
+def run_grid(ctx: Context, sc: Scenario, log: Callable[[str], None]) -> list[Row]:
+    rows: list[Row] = []
+    for seed in SEEDS[:1] if ctx.quick else SEEDS:
+        reqs = workload(ctx, sc, seed)
+        for engine in sc.engines:
+            for router in sc.routers:
+                result, wall = run_one(reqs, sc.profile, sc.replicas, router, engine, seed)
+                rows.append(
+                    row_of(result, scenario=sc.name, router=router, engine=engine, seed=seed)
+                )
+                log(f"{sc.name} seed {seed} {engine:5s} {router:15s} {wall:5.1f}s "
+                    f"p50 {rows[-1]['ttft_p50_s']:.2f} hit {rows[-1]['hit_rate']:.2f}")  # fmt: skip
+    return rows
+
+
+HOT_ROUTERS = ("sal", "sal_paper", "p2c", "prefix_affinity", "llm_d", "cache_aware")
+
+
+def run_hot_prefix(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """One 6,000-token document shared by every request, 60 requests/s on 4 replicas (more
+    uncached prefill than one replica can take): does it pile onto one?"""
+    rows: list[Row] = []
+    for seed in SEEDS[:1] if ctx.quick else SEEDS:
+        reqs = hot_prefix(100 if ctx.quick else 200, 60.0, 6_000, (200, 1_000), (50, 300), seed)
+        for router in HOT_ROUTERS:
+            result, wall = run_one(reqs, "llama31-8b-a100", 4, router, "fcfs", seed)
+            rows.append(
+                row_of(result, scenario="hot-prefix", router=router, engine="fcfs", seed=seed)
+            )
+            log(
+                f"hot-prefix seed {seed} {router:15s} {wall:5.1f}s "
+                f"share {rows[-1]['busiest_share']:.2f}"
+            )
+    return rows
+
+
+def run_accuracy(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """Cache-aware SAL with the approximate index and with the oracle (KV events)."""
+    rows: list[Row] = []
+    for sc in SCENARIOS:
+        if sc.name.endswith("-sat"):
+            continue
+        reqs = workload(ctx, sc, 0)
+        for source in ("approximate", "oracle"):
+            result, wall = run_one(reqs, sc.profile, sc.replicas, "sal", "fcfs", 0, source)
+            rows.append(
+                row_of(result, scenario=sc.name, router="sal", engine="fcfs", seed=0, source=source)
+            )
+            log(f"accuracy {sc.name} {source:11s} {wall:5.1f}s")
+    return rows
+
+
+def run_credit_all(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """Preemptions of SAL crediting only held blocks vs crediting every cached token."""
+    rows: list[Row] = []
+    for sc in SCENARIOS:
+        if sc.name not in ("conversation-40gb-sat", "chat-long-40gb"):
+            continue
+        for seed in SEEDS[:1] if ctx.quick else SEEDS:
+            reqs = workload(ctx, sc, seed)
+            for router in ("sal", SalCreditAll.name, "sal_paper"):
+                result, wall = run_one(reqs, sc.profile, sc.replicas, router, "fcfs", seed)
+                rows.append(
+                    row_of(result, scenario=sc.name, router=router, engine="fcfs", seed=seed)
+                )
+                log(f"credit-all {sc.name} seed {seed} {router:15s} {wall:5.1f}s "
+                    f"preempt {rows[-1]['preemptions_per_100']:.2f}")  # fmt: skip
+    return rows
+
+
+def run_azure(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """No reuse at all: cache-aware SAL with an index must route exactly as the paper's."""
+    reqs = load_azure_csv(
+        ctx.data / AZURE_CHAT, context_limit_tokens=8192, duration_s=60 if ctx.quick else 300
+    )
+    reqs = scale_load(reqs, 0.505 * 4)
+    rows = []
+    for router, source in (("sal", "approximate"), ("sal_paper", "none")):
+        result, wall = run_one(reqs, "llama3-8b-a100", 4, router, "fcfs", 0, source)
+        row = row_of(
+            result, scenario="azure-chat", router=router, engine="fcfs", seed=0, source=source
+        )
+        row["replicas_of"] = [o.replica for o in result.outcomes]
+        rows.append(row)
+        log(f"azure {router} {wall:5.1f}s")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.prefix_report import write_report
+
+    folder: Path = args.data_dir or data_dir()
+    for name in (MOONCAKE_CONVERSATION, SHAREGPT_STATS, AZURE_CHAT):
+        if not (folder / name).is_file():
+            print(missing_message(folder / name, "--data-dir"), file=sys.stderr)
+            return 2
+    ctx = Context(folder, args.quick)
+    out: Path = args.out
+    if args.report_only:
+        write_report(json.loads((out / "prefix.json").read_text()), out / "prefix.md")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    known = {sc.name for sc in SCENARIOS} | {"hot-prefix", "accuracy", "azure", "credit-all"}
+    only = set(args.only) if args.only else known
+    if only - known:
+        print(
+            f"unknown scenario(s) {sorted(only - known)}; known: {sorted(known)}", file=sys.stderr
+        )
+        return 2
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.time()
+    json_path = out / "prefix.json"
+    results: dict[str, list[Row]] = {}
+    if args.only and json_path.is_file():  # a partial rerun replaces only its sections
+        results = json.loads(json_path.read_text())["results"]
+    for sc in SCENARIOS:
+        if sc.name in only:
+            results[sc.name] = run_grid(ctx, sc, log)
+            json_path.write_text(json.dumps(_document(results, ctx, started), indent=1))
+    for name, fn in (
+        ("hot-prefix", run_hot_prefix),
+        ("accuracy", run_accuracy),
+        ("credit-all", run_credit_all),
+        ("azure", run_azure),
+    ):
+        if name in only:
+            results[name] = fn(ctx, log)
+            json_path.write_text(json.dumps(_document(results, ctx, started), indent=1))
+    write_report(_document(results, ctx, started), out / "prefix.md")
+    log(f"wrote {json_path} and {out / 'prefix.md'}")
+    return 0
+
+
+def _document(results: dict[str, list[Row]], ctx: Context, started: float) -> dict[str, Any]:
+    return {
+        "command": "nice -n 19 sal-bench prefix --out docs/results"
+        + (" --quick" if ctx.quick else ""),
+        "wall_s": time.time() - started,
+        "scenarios": [
+            {
+                "name": sc.name, "workload": sc.workload, "profile": sc.profile,
+                "replicas": sc.replicas, "load_factor": sc.load_factor, "window_s": sc.window_s,
+                "think_time_s": list(sc.think_time_s), "regime": sc.regime,
+            }
+            for sc in SCENARIOS
+        ],
+        "results": results,
+    }  # fmt: skip

@@ -1,0 +1,322 @@
+"""``prefix.md`` from the rows `bench.prefix_bench` measured (pure apart from the write).
+
+Headline numbers are medians over the seeds / trace windows with their min-max spread; a
+ratio whose two spreads overlap is called a tie. Every measured row is printed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+METRICS = (
+    ("TTFT p50 (s)", "ttft_p50_s", "{:.2f}"),
+    ("TTFT p95 (s)", "ttft_p95_s", "{:.2f}"),
+    ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}"),
+    ("TGT p50 (s)", "tgt_p50_s", "{:.1f}"),
+    ("hit %", "hit_rate", "{:.0%}"),
+    ("predicted %", "predicted_hit_rate", "{:.0%}"),
+    ("preempt /100", "preemptions_per_100", "{:.2f}"),
+    ("busiest share", "busiest_share", "{:.2f}"),
+)
+BASELINES = ("prefix_affinity", "llm_d", "cache_aware")
+
+
+def spread(rows: Sequence[Row], key: str) -> tuple[float, float, float]:
+    """(median, min, max) of `key` over `rows`."""
+    values = [float(r[key]) for r in rows]
+    return statistics.median(values), min(values), max(values)
+
+
+def _cell(rows: Sequence[Row], key: str, fmt: str) -> str:
+    med, lo, hi = spread(rows, key)
+    if len(rows) == 1 or lo == hi:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(lo)}-{fmt.format(hi)})"
+
+
+def _group(rows: Sequence[Row], router: str, engine: str) -> list[Row]:
+    return [r for r in rows if r["router"] == router and r["engine"] == engine]
+
+
+def grid_table(rows: Sequence[Row]) -> str:
+    engines = sorted({r["engine"] for r in rows}, key=lambda e: (e != "fcfs", e))
+    routers = list(dict.fromkeys(r["router"] for r in rows))
+    head = "| engine | router | " + " | ".join(m[0] for m in METRICS) + " |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 2)]
+    for engine in engines:
+        for router in routers:
+            group = _group(rows, router, engine)
+            if group:
+                cells = " | ".join(_cell(group, key, fmt) for _, key, fmt in METRICS)
+                lines.append(f"| {engine} | {router} | {cells} |")
+    return "\n".join(lines)
+
+
+def ratio(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> tuple[float, bool]:
+    """Median of `key` for router `b` over router `a` (> 1: `a` is better), and whether
+    their spreads overlap (a tie)."""
+    ra, rb = _group(rows, a, engine), _group(rows, b, engine)
+    if not ra or not rb:
+        return float("nan"), True
+    ma, la, ha = spread(ra, key)
+    mb, lb, hb = spread(rb, key)
+    tie = not (ha < lb or hb < la)
+    return (mb / ma if ma > 0 else float("inf")), tie
+
+
+def _overlap(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> bool:
+    """Whether routers `a` and `b` have overlapping min-max spreads of `key`."""
+    _, la, ha = spread(_group(rows, a, engine), key)
+    _, lb, hb = spread(_group(rows, b, engine), key)
+    return not (ha < lb or hb < la)
+
+
+def best_baseline(rows: Sequence[Row], engine: str) -> str:
+    present = [b for b in BASELINES if _group(rows, b, engine)]
+    return min(present, key=lambda b: spread(_group(rows, b, engine), "ttft_p50_s")[0])
+
+
+def _verdict(ok: bool, tie: bool = False) -> str:
+    """A gain aim (`ok`: the median reached the target): a tie does not reach it."""
+    if tie:
+        return "tie (not met)"
+    return "met" if ok else "not met"
+
+
+def paired_ratios(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> list[float]:
+    """Per-seed ratios of router `b` over `a` on the same window/seed (> 1: `a` better)."""
+    ra = {r["seed"]: r[key] for r in _group(rows, a, engine)}
+    rb = {r["seed"]: r[key] for r in _group(rows, b, engine)}
+    return [rb[k] / ra[k] for k in sorted(ra) if k in rb and ra[k] > 0]
+
+
+def paired(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> str:
+    """`paired_ratios` as " (per seed lo-hi x)" ("" with fewer than two seeds)."""
+    ratios = paired_ratios(rows, a, b, engine, key)
+    if len(ratios) < 2:
+        return ""
+    return f" (per seed {min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
+def _no_worse(ratio_value: float, tie: bool, per_seed: Sequence[float] = ()) -> str:
+    """A "no worse / no regression" aim: a tie within the spread satisfies it, unless
+    SAL was worse on every seed (a paired loss)."""
+    if ratio_value >= 1.0:
+        return "met"
+    if len(per_seed) >= 2 and max(per_seed) < 1.0:
+        return "not met (worse on every seed)"
+    return "met (tie within spread)" if tie else "not met"
+
+
+Aim = tuple[str, str, str, str]
+
+
+def _grid_aims(tag: str, regime: str, rows: Sequence[Row], engine: str) -> list[Aim]:
+    r_paper, tie_paper = ratio(rows, "sal", "sal_paper", engine, "ttft_p50_s")
+    base = best_baseline(rows, engine)
+    r_base, tie_base = ratio(rows, "sal", base, engine, "ttft_p50_s")
+    p99_paper, tie99_paper = ratio(rows, "sal", "sal_paper", engine, "ttft_p99_s")
+    p99_base, tie99_base = ratio(rows, "sal", base, engine, "ttft_p99_s")
+    pre = {
+        r: spread(_group(rows, r, engine), "preemptions_per_100")[0]
+        for r in ("sal", "sal_paper", base)
+    }
+    out: list[Aim] = []
+    if regime.startswith("reuse survives"):
+        out += [
+            (tag, "p50 TTFT >= 1.5x lower than sal_paper",
+             f"{r_paper:.2f}x" + paired(rows, "sal", "sal_paper", engine, "ttft_p50_s"),
+             _verdict(r_paper >= 1.5, tie_paper)),
+            (tag, f"p50 TTFT >= 1.2x lower than the best baseline ({base})",
+             f"{r_base:.2f}x" + paired(rows, "sal", base, engine, "ttft_p50_s"),
+             _verdict(r_base >= 1.2, tie_base)),
+            (tag, "p99 no worse than sal_paper", f"{p99_paper:.2f}x",
+             _no_worse(p99_paper, tie99_paper,
+                       paired_ratios(rows, "sal", "sal_paper", engine, "ttft_p99_s"))),
+            (tag, f"p99 no worse than the best baseline ({base})", f"{p99_base:.2f}x",
+             _no_worse(p99_base, tie99_base,
+                       paired_ratios(rows, "sal", base, engine, "ttft_p99_s"))),
+        ]  # fmt: skip
+    else:
+        p95, tie95 = ratio(rows, "sal", "sal_paper", engine, "ttft_p95_s")
+        out += [
+            (tag, "no p50 regression vs sal_paper",
+             f"{r_paper:.2f}x" + paired(rows, "sal", "sal_paper", engine, "ttft_p50_s"),
+             _no_worse(r_paper, tie_paper,
+                       paired_ratios(rows, "sal", "sal_paper", engine, "ttft_p50_s"))),
+            (tag, "p95 gain vs sal_paper (reported)", f"{p95:.2f}x",
+             "tie" if tie95 else "reported"),
+        ]  # fmt: skip
+    worse = [r for r in ("sal_paper", base) if pre["sal"] > pre[r] + 1e-9]
+    within = all(_overlap(rows, "sal", r, engine, "preemptions_per_100") for r in worse)
+    verdict = "met" if not worse else ("met (tie within spread)" if within else "not met")
+    out.append((tag, "preemptions no worse than sal_paper / the best baseline",
+                f"{pre['sal']:.2f} vs {pre['sal_paper']:.2f} / {pre[base]:.2f}",
+                verdict))  # fmt: skip
+    return out
+
+
+def aims(doc: dict[str, Any]) -> list[Aim]:
+    """(scenario, aim, measured, verdict) rows of the explicit aims table."""
+    out: list[Aim] = []
+    regimes = {s["name"]: s["regime"] for s in doc["scenarios"]}
+    for name, rows in doc["results"].items():
+        regime = regimes.get(name, "")
+        if regime:
+            for engine in sorted({r["engine"] for r in rows}):
+                out += _grid_aims(f"{name} / {engine}", regime, rows, engine)
+    hot = doc["results"].get("hot-prefix")
+    if hot:
+        share, lo, hi = spread(_group(hot, "sal", "fcfs"), "busiest_share")
+        affinity = spread(_group(hot, "prefix_affinity", "fcfs"), "busiest_share")[0]
+        p99, tie = ratio(hot, "sal", "sal_paper", "fcfs", "ttft_p99_s")
+        out.append(
+            (
+                "hot-prefix",
+                "SAL spreads a hot prefix one replica cannot take "
+                "(busiest share below prefix_affinity's)",
+                f"{share:.2f} ({lo:.2f}-{hi:.2f}) vs {affinity:.2f}",
+                _verdict(hi < affinity),
+            )
+        )
+        out.append(("hot-prefix", "and its p99 TTFT is no worse than the prefix-blind "
+                    "sal_paper's", f"{p99:.2f}x", _no_worse(p99, tie)))  # fmt: skip
+    credit = doc["results"].get("credit-all")
+    if credit:
+        for name in sorted({r["scenario"] for r in credit}):
+            rows = [r for r in credit if r["scenario"] == name]
+            ours = spread(_group(rows, "sal", "fcfs"), "preemptions_per_100")[0]
+            naive = spread(_group(rows, "sal_credit_all", "fcfs"), "preemptions_per_100")[0]
+            paper = spread(_group(rows, "sal_paper", "fcfs"), "preemptions_per_100")[0]
+            tie = _overlap(rows, "sal", "sal_paper", "fcfs", "preemptions_per_100")
+            verdict = (
+                "met" if ours <= paper + 1e-9 else ("met (tie within spread)" if tie else "not met")
+            )
+            out.append((f"{name} / fcfs", "memory term credits held blocks only: preemptions "
+                        "no worse than sal_paper (what-if crediting every cached token beside)",
+                        f"{ours:.2f} vs sal_paper {paper:.2f} (credit-all {naive:.2f})",
+                        verdict))  # fmt: skip
+    azure = doc["results"].get("azure")
+    if azure and len(azure) == 2:
+        same = azure[0]["replicas_of"] == azure[1]["replicas_of"]
+        out.append(("azure-chat", "cache-aware SAL identical to sal_paper (no reuse)",
+                    "same replica for every request" if same else "decisions differ",
+                    _verdict(same)))  # fmt: skip
+    return out
+
+
+def write_report(doc: dict[str, Any], path: Path) -> None:
+    lines = [
+        "# Prefix-cache-aware routing (simulator)",
+        "",
+        f"Regenerate: `{doc['command']}` (about 30 min on this shared 2-core machine; the "
+        f"last invocation took {doc['wall_s'] / 60:.0f} min). Every run has "
+        "vLLM's prefix caching on in every replica; prefix-aware routers (sal, "
+        "prefix_affinity, llm_d, cache_aware) read the router's approximate index of the "
+        "prompt blocks it routed, the others see no cache. Cells: median over 3 seeds / "
+        "trace windows (min-max). Ratios > 1: cache-aware SAL is better; overlapping "
+        'spreads are a tie. Method and caveats: `docs/simulator.md`, "Prefix caching".',
+        "",
+        "## Aims (issue 9)",
+        "",
+        "| scenario | aim | measured | verdict |",
+        "|---|---|---|---|",
+        *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in aims(doc)],
+        "",
+    ]
+    for sc in doc["scenarios"]:
+        rows = doc["results"].get(sc["name"])
+        if not rows:
+            continue
+        measured = {r: spread(_group(rows, r, "fcfs"), "hit_rate")[0] for r in ("sal", "sal_paper")}
+        think = (
+            f", think time {sc['think_time_s'][0]:g}-{sc['think_time_s'][1]:g} s"
+            if sc["workload"] == "chat"
+            else ""
+        )
+        lines += [
+            f"## {sc['name']}: {sc['workload']}{think}, {sc['replicas']} x {sc['profile']}, "
+            f"load {sc['load_factor']}",
+            "",
+            f"Expected regime: {sc['regime']}. Measured hit rate: cache-aware SAL "
+            f"{measured['sal']:.0%}, prefix-blind sal_paper {measured['sal_paper']:.0%}.",
+            "",
+            grid_table(rows),
+            "",
+        ]
+    for name, title in (
+        (
+            "hot-prefix",
+            "Hot prefix: one 6,000-token document in every prompt, 60 requests/s "
+            "(4 x llama31-8b-a100)",
+        ),
+        ("accuracy", "Approximate index vs oracle (vLLM KV events), cache-aware SAL, fcfs, seed 0"),
+        ("credit-all", "What-if: a memory term that credits every cached token (fcfs)"),
+        ("azure", "Azure chat trace (no reuse), 4 x llama3-8b-a100"),
+    ):
+        rows = doc["results"].get(name)
+        if not rows:
+            continue
+        lines += [f"## {title}", ""]
+        if name == "credit-all":
+            for scenario in sorted({r["scenario"] for r in rows}):
+                lines += [
+                    f"### {scenario}",
+                    "",
+                    grid_table([r for r in rows if r["scenario"] == scenario]),
+                    "",
+                ]
+            continue
+        if name == "accuracy":
+            lines += ["| scenario | source | TTFT p50 | TTFT p95 | hit % | predicted % |",
+                      "|---|---|---|---|---|---|"]  # fmt: skip
+            for r in rows:
+                lines.append(
+                    f"| {r['scenario']} | {r['source']} | {r['ttft_p50_s']:.2f} | "
+                    f"{r['ttft_p95_s']:.2f} | {r['hit_rate']:.0%} | {r['predicted_hit_rate']:.0%} |"
+                )
+        else:
+            lines.append(grid_table(rows))
+        lines.append("")
+    plot_scenarios(doc, path.with_suffix(".png"))
+    lines.insert(4, f"![TTFT per router and scenario]({path.with_suffix('.png').name})\n")
+    path.write_text("\n".join(lines))
+
+
+def plot_scenarios(doc: dict[str, Any], path: Path) -> None:
+    """One panel per scenario: median TTFT p50 and p95 per router (fcfs engines), log scale
+    (prefix_affinity's pile-up is two orders of magnitude above the rest), with the
+    min-max spread as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["name"] for s in doc["scenarios"] if doc["results"].get(s["name"])]
+    names += [n for n in ("hot-prefix",) if doc["results"].get(n)]
+    if not names:
+        return
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        rows = [r for r in doc["results"][name] if r["engine"] == "fcfs"]
+        routers = list(dict.fromkeys(r["router"] for r in rows))
+        for k, (key, label) in enumerate((("ttft_p50_s", "p50"), ("ttft_p95_s", "p95"))):
+            stats = [spread(_group(rows, r, "fcfs"), key) for r in routers]
+            xs = [i + (k - 0.5) * 0.4 for i in range(len(routers))]
+            med = [m for m, _, _ in stats]
+            err = [[m - lo for m, lo, _ in stats], [hi - m for m, _, hi in stats]]
+            ax.bar(xs, med, width=0.4, yerr=err, capsize=2, label=f"TTFT {label}")
+        ax.set_xticks(range(len(routers)), routers, rotation=60, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("seconds (fcfs engines)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

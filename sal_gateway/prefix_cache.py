@@ -1,0 +1,199 @@
+"""What each replica holds in its prefix cache, as the gateway tracks it (``routing.prefix_cache``).
+
+Pure bookkeeping on the main event loop (no I/O): one `PrefixTracker` per gateway, one
+`sal_core.prefix.PrefixIndex` per model (block keys of different models never mix). Fed by
+
+* the request path: the admitted request's block keys (`tokenizer.PromptCount.block_keys`,
+  chained over the very token ids vLLM will hash) fill the views' ``cached_tokens`` /
+  ``cached_held_tokens`` for every candidate (`annotate`), and the chosen replica's entry
+  takes the blocks, held until the request ends (`hold`);
+* the pollers: each replica's ``/stats`` gives its block size, whether prefix caching is on
+  and its KV capacity, which bounds its entry (LRU; `observe`). An engine that restarted
+  (its step counter went back) or turned caching off starts empty;
+* in ``kv_events`` mode, vLLM's own KV-cache events (`kv_events`): stored blocks refresh or
+  enter the entry, removed blocks leave it, a cleared cache empties it (`apply`).
+
+Modes: ``off`` (no tracker; every cached field 0: SAL is the paper's Eq. 2), ``approximate``
+(the index of what the gateway routed, evicted by capacity LRU), ``kv_events`` (the same,
+corrected by the engine's evictions and filled by other gateways' traffic).
+
+A replica is predicted to hold a block only if its ``/stats`` says prefix caching is on with
+the model's block size (the first such replica's). As in vLLM, the prompt's last token is
+never a hit: a prompt of n tokens reuses at most ``(n - 1) // block_size`` blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from sal_core.policies import BackendView
+from sal_core.prefix import PrefixIndex
+from sal_core.stats import ReplicaStats
+
+MODES = ("off", "approximate", "kv_events")
+"""Values of ``routing.prefix_cache``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """One request's prompt as the prefix index sees it."""
+
+    keys: tuple[int, ...]
+    """Chained keys of its full blocks (`sal_core.prefix.chain_hashes`)."""
+    prompt_tokens: int
+    """Its prompt tokens (one engine request's)."""
+
+
+@dataclass(slots=True)
+class _Replica:
+    caching: bool = False
+    block_size: int = 0
+    capacity_blocks: int = -1
+    step: int = -1
+    engine_queries: int = 0
+    engine_hits: int = 0
+
+
+@dataclass(slots=True)
+class _ModelCache:
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    block_size: int | None = None
+    """The model's block size: the first replica's that has prefix caching on."""
+    replicas: dict[str, _Replica] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """Increase of a replica's own prefix-cache counters since its previous poll."""
+
+    query_tokens: int
+    hit_tokens: int
+
+
+class PrefixTracker:
+    """See the module docstring. Main loop only; every method is O(blocks of one request) or
+    O(1), so a request's lookup over 64 replicas stays in the tens of microseconds."""
+
+    def __init__(self, mode: str) -> None:
+        if mode not in MODES or mode == "off":
+            raise ValueError(f"prefix cache mode must be approximate or kv_events, got {mode!r}")
+        self.mode = mode
+        self._models: dict[str, _ModelCache] = {}
+
+    def _model(self, model: str) -> _ModelCache:
+        cache = self._models.get(model)
+        if cache is None:
+            cache = self._models[model] = _ModelCache()
+        return cache
+
+    # --- what the request path asks ----------------------------------------------------
+
+    def block_size(self, model: str) -> int | None:
+        """The block size to key `model`'s prompts by (None until a replica reported one)."""
+        cache = self._models.get(model)
+        return None if cache is None else cache.block_size
+
+    def block_sizes(self) -> dict[str, int]:
+        """Every model's block size known so far (for the body workers)."""
+        return {m: c.block_size for m, c in self._models.items() if c.block_size is not None}
+
+    def annotate(self, model: str, views: Sequence[BackendView], blocks: PromptBlocks) -> None:
+        """Fill each view's ``cached_tokens`` / ``cached_held_tokens`` for `blocks`, and its
+        ``indexed_tokens`` (in place: the views are this request's own, fresh from the
+        state table)."""
+        cache = self._models.get(model)
+        if cache is None or cache.block_size is None or not blocks.keys:
+            return
+        size = cache.block_size
+        keys = blocks.keys[: max(0, (blocks.prompt_tokens - 1) // size)]
+        if not keys:
+            return
+        match = cache.index.match_prefix_closed  # O(log blocks) per replica
+        replicas = cache.replicas
+        for view in views:
+            replica = replicas.get(view.url)
+            if replica is None or not replica.caching or replica.block_size != size:
+                continue
+            view.indexed_tokens = cache.index.size(view.url) * size
+            found = match(view.url, keys)
+            if found.cached_blocks:
+                view.cached_tokens = found.cached_blocks * size
+                view.cached_held_tokens = found.held_blocks * size
+
+    def hold(self, model: str, url: str, blocks: PromptBlocks) -> Callable[[], None] | None:
+        """`blocks` were routed to `url`: they become its most recent blocks, held until the
+        returned callable is called (the request ended). None when `url` keeps no cache."""
+        cache = self._models.get(model)
+        replica = None if cache is None else cache.replicas.get(url)
+        if cache is None or replica is None or not replica.caching or not blocks.keys:
+            return None
+        if replica.block_size != cache.block_size:
+            return None
+        index, keys = cache.index, blocks.keys
+        index.insert(url, keys, hold=True)
+        return lambda: index.release(url, keys)
+
+    # --- what the pollers and the event subscribers report -----------------------------
+
+    def observe(self, model: str, url: str, stats: ReplicaStats) -> EngineCounters:
+        """A good poll of `url`: learn its block size, caching switch and capacity; start
+        its entry empty when its engine restarted. Returns the growth of its engine's own
+        hit counters (a restarted engine's counters start again from 0)."""
+        cache = self._model(model)
+        replica = cache.replicas.get(url)
+        if replica is None:
+            replica = cache.replicas[url] = _Replica()
+        restarted = 0 < stats.step < replica.step
+        if restarted or (replica.caching and not stats.prefix_caching):
+            cache.index.remove_backend(url)
+            replica.capacity_blocks = -1
+        replica.step = stats.step
+        replica.caching = stats.prefix_caching
+        replica.block_size = stats.block_size
+        if stats.prefix_caching and cache.block_size is None and stats.block_size > 0:
+            cache.block_size = stats.block_size
+        capacity = stats.kv_blocks_total if replica.block_size == cache.block_size else 0
+        if capacity != replica.capacity_blocks:
+            cache.index.set_capacity(url, capacity)
+            replica.capacity_blocks = capacity
+        queries, hits = stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens
+        grown = EngineCounters(
+            queries - replica.engine_queries if queries >= replica.engine_queries else queries,
+            hits - replica.engine_hits if hits >= replica.engine_hits else hits,
+        )
+        replica.engine_queries, replica.engine_hits = queries, hits
+        return grown
+
+    def indexed_blocks(self, model: str, url: str) -> int:
+        """Blocks indexed for `url` now."""
+        cache = self._models.get(model)
+        return 0 if cache is None else cache.index.size(url)
+
+    def store(self, model: str, url: str, keys: Sequence[int]) -> None:
+        """`url`'s engine stored (or reused) these blocks (a KV event): most recent, unheld."""
+        cache = self._models.get(model)
+        if cache is not None and keys:
+            cache.index.insert(url, keys, hold=False)
+
+    def evict(self, model: str, url: str, keys: Sequence[int]) -> None:
+        """`url`'s engine evicted these blocks (a KV event)."""
+        cache = self._models.get(model)
+        if cache is not None and keys:
+            cache.index.discard(url, keys)
+
+    def clear(self, model: str, url: str) -> None:
+        """`url`'s engine dropped its whole prefix cache (a KV event)."""
+        cache = self._models.get(model)
+        replica = None if cache is None else cache.replicas.get(url)
+        if cache is None or replica is None:
+            return
+        cache.index.remove_backend(url)
+        cache.index.set_capacity(url, max(0, replica.capacity_blocks))
+
+    def forget(self, model: str, url: str) -> None:
+        """`url` left `model`'s pool."""
+        cache = self._models.get(model)
+        if cache is not None:
+            cache.index.remove_backend(url)
+            cache.replicas.pop(url, None)

@@ -1,0 +1,128 @@
+"""``listen.workers``: several gateway processes share one port (`sal_gateway.workers`).
+
+The gateway runs as a user runs it (the CLI in a child process) with two workers in front of
+two fake backends (processes of their own). What a user would notice if it broke: requests
+on the shared port are answered by both workers (the kernel spreads connections), each
+worker polls the backends itself, each worker's own port serves its ``/metrics``, and the
+workers' counters add up to exactly the requests sent; SIGTERM stops every worker.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.processes import PortAllocator
+from tests.fault_support import fake_procs
+from tests.gateway_support import gateway_config, metric, run_gateway, scrape_metrics
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 48
+
+
+def _body(i: int) -> dict[str, object]:
+    return {"model": "tiny", "prompt": [1] * (10 + i), "max_tokens": 4, "ignore_eos": True}
+
+
+def test_two_workers_share_the_port_and_their_metrics_add_up(tmp_path: Path) -> None:
+    ports = PortAllocator(22000, 22999)
+    fake_ports = [ports.take(), ports.take()]
+    gw_port = ports.take()
+    first_own = ports.take()
+    own = [first_own, ports.take()]
+    assert own[1] == first_own + 1, "need two consecutive free ports"
+    with fake_procs(tmp_path, fake_ports) as fakes:
+        config = gateway_config(
+            gw_port,
+            [f.url for f in fakes],
+            tokenizer=None,
+            policy="sal_near",
+            extra={
+                "listen": {
+                    "host": "127.0.0.1",
+                    "port": gw_port,
+                    "workers": 2,
+                    "worker_ports_from": first_own,
+                },
+                "limits": {"body_workers": 1},
+                "log_level": "warning",
+            },
+        )
+        with run_gateway(config) as url:
+            for port in own:  # each worker answers on its own port, once it polled a backend
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    try:
+                        if (
+                            httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code
+                            == 200
+                        ):
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.1)
+                else:
+                    pytest.fail(f"worker port {port} never became ready")
+            # A new connection per request, so the kernel spreads them over the workers.
+            limits = httpx.Limits(max_keepalive_connections=0)
+            with httpx.Client(timeout=30.0, limits=limits) as client:
+                for i in range(REQUESTS):
+                    resp = client.post(f"{url}/v1/completions", json=_body(i))
+                    assert resp.status_code == 200, resp.text
+            per_worker = [scrape_metrics(f"http://127.0.0.1:{p}") for p in own]
+            served = [metric(m, "sal_requests_total") for m in per_worker]
+            assert sum(served) == REQUESTS
+            assert min(served) > 0, served  # P(all 48 on one worker) = 2^-47 per run
+            for samples in per_worker:  # every worker polls every backend itself
+                for fake in fakes:
+                    assert metric(samples, "sal_backend_healthy", backend=fake.url) == 1.0
+
+
+def test_a_bad_worker_count_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "listen: {port: 8080, workers: 2, worker_ports_from: 8079}\n"
+        "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "sal_gateway.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "listen.worker_ports_from" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_worker_that_cannot_bind_stops_the_set_with_one_line(tmp_path: Path) -> None:
+    ports = PortAllocator(22000, 22999)
+    gw_port, taken_port = ports.take(), ports.take()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", taken_port))
+        squatter.listen()
+        path = tmp_path / "config.yaml"
+        path.write_text(
+            f"listen: {{host: 127.0.0.1, port: {gw_port}, workers: 2, "
+            f"worker_ports_from: {taken_port}}}\n"
+            "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "sal_gateway.cli", "serve", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 2
+    assert f"cannot bind 127.0.0.1:{taken_port}" in done.stderr
+    assert "stopping the other workers" in done.stderr
+    assert "Traceback" not in done.stderr

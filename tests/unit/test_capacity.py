@@ -1,0 +1,120 @@
+"""``sal-bench capacity`` (`bench.capacity`): the bisection, the SLO judgement, the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import capacity
+from bench.capacity import QUICK, Cell, capacity_rows, find_capacity, probe
+from bench.capacity_report import render, replicas_needed
+from bench.cli import main
+from bench.stacks import STACKS, Stack, engine_config, stacks_by_name, tpot_s
+from engine_sim.results import RequestOutcome
+from engine_sim.trace import TraceRequest, gamma_arrivals
+
+
+def test_bisection_finds_a_threshold_within_the_tolerance_from_either_side() -> None:
+    for threshold in (0.3, 1.0, 2.7):
+        for guess in (0.1, 1.0, 5.0):
+            calls: list[float] = []
+
+            def sustains(x: float, t: float = threshold, calls: list[float] = calls) -> bool:
+                calls.append(x)
+                return x <= t
+
+            found = find_capacity(sustains, guess, rel_tol=0.02)
+            assert threshold / 1.02 <= found <= threshold
+            assert len(calls) < 40
+
+
+def test_bisection_reports_zero_and_the_limit_at_the_ends() -> None:
+    assert find_capacity(lambda x: False, 1.0, 0.05, limits=(0.1, 10.0)) == 0.0
+    assert find_capacity(lambda x: True, 1.0, 0.05, limits=(0.1, 10.0)) == 10.0
+
+
+def test_tpot_is_decode_time_per_token_after_the_first() -> None:
+    out = RequestOutcome("r", 0, 0.0, 100, 11, first_token_s=0.5, finish_s=1.5, num_preemptions=0)
+    assert tpot_s(out) == pytest.approx(0.1)
+    one = RequestOutcome("r", 0, 0.0, 100, 1, first_token_s=0.5, finish_s=0.5, num_preemptions=0)
+    assert tpot_s(one) is None
+
+
+def test_a_stack_is_one_line_of_engine_config_fields() -> None:
+    larry = stacks_by_name(["sal+larry"])[0]
+    config = engine_config(larry, "llama3-8b-a100")
+    assert (config.scheduler, config.alpha) == ("larry", 1.0)
+    custom = Stack("sal+larry a=500", "sal", {"scheduler": "larry", "alpha": 500.0})
+    assert engine_config(custom, "llama3-8b-a100").alpha == 500.0
+    with pytest.raises(KeyError, match="unknown stack"):
+        stacks_by_name(["nope"])
+
+
+def _cell(rate_per_s: float) -> Cell:
+    times = gamma_arrivals(200, rate_per_s, cv=3.0, seed=2)
+    reqs = [TraceRequest(t, 400 + (i * 7919) % 3000, 20 + i % 50) for i, t in enumerate(times)]
+    return Cell("code", "llama3-8b-a100", 2, 0, reqs)
+
+
+def test_more_load_fails_the_slo_that_a_light_load_meets() -> None:
+    cell = _cell(0.5)
+    stack = stacks_by_name(["p2c+fcfs"])[0]
+    light, heavy = probe(cell, stack, 0.5), probe(cell, stack, 40.0)
+    assert light.ok
+    assert light.ttft_p95_s <= cell.slo.ttft_p95_s
+    assert not heavy.ok
+    assert heavy.ttft_p95_s > light.ttft_p95_s
+
+
+def test_every_stack_gets_a_capacity_and_latency_at_the_baselines() -> None:
+    cell = _cell(0.5)
+    rows = capacity_rows(cell, stacks_by_name(["p2c+fcfs", "sal+fcfs"]), rel_tol=0.1)
+    base, sal = rows
+    assert base["baseline_capacity_x"] == sal["baseline_capacity_x"] == base["capacity_x"]
+    for row in rows:
+        assert row["capacity_x"] > 0
+        ok = [p["load_x"] for p in row["probes"] if p["ok"]]
+        failed = [p["load_x"] for p in row["probes"] if not p["ok"]]
+        assert max(ok) == row["capacity_x"]
+        assert min(failed) <= row["capacity_x"] * 1.1
+        assert row["at_baseline"]["load_x"] == base["capacity_x"]
+
+
+def test_replicas_needed_is_the_inverse_capacity_ratio() -> None:
+    base = [{"capacity_x": 1.0}, {"capacity_x": 2.0}]
+    better = [{"capacity_x": 1.25}, {"capacity_x": 2.5}]
+    assert replicas_needed(base, better) == [0.8, 0.8]
+
+
+@pytest.mark.slow
+def test_the_quick_command_writes_report_json_and_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny = capacity.Plan(("code",), (("llama3-8b-a100", 2),), 120.0, 3, 0.25)
+    monkeypatch.setattr(capacity, "QUICK", tiny)
+    names = "p2c+fcfs,sal+fcfs"
+    assert main(["capacity", "--quick", "--stacks", names, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    assert {r["stack"] for r in data["rows"]} == {"p2c+fcfs", "sal+fcfs"}
+    assert {r["window"] for r in data["rows"]} == {0, 1, 2}
+    md = (tmp_path / "capacity.md").read_text()
+    assert "replicas needed for the same traffic" in md
+    assert "| sal+fcfs |" in md
+    assert (tmp_path / "capacity.png").stat().st_size > 1000
+    assert not (tmp_path / "capacity.partial.json").exists()
+    assert render(data["rows"], data["meta"]) == md
+
+
+def test_an_unknown_stack_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["capacity", "--stacks", "sal+nope"]) == 2
+    assert "unknown stack 'sal+nope'" in capsys.readouterr().err
+
+
+def test_stacks_that_need_prefix_reuse_are_registered_but_skipped_without_it() -> None:
+    from bench.stacks import for_workload
+
+    assert any(s.needs_reuse for s in STACKS)
+    assert all(not s.needs_reuse for s in for_workload(STACKS, has_reuse=False))
+    assert QUICK.windows >= 3

@@ -1,0 +1,219 @@
+"""vLLM's KV-cache events in the gateway: the wire format (encoded by vLLM's own classes), the
+mapping of vLLM's block hashes onto the gateway's chained keys, hostile messages, and the
+subscriber thread against vLLM's own ZMQ publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from engine_sim.fake_vllm import default_stats
+from sal_core.policies import BackendView
+from sal_core.prefix import chain_hashes
+from sal_gateway.kv_events import BlockKeyMap, seq_of
+from sal_gateway.kv_subscriber import KvEventSubscribers, endpoint_for
+from sal_gateway.metrics import GatewayMetrics
+from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
+from tests.gw_fake_support import metric
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+        ZmqEventPublisher,
+    )
+
+BS = 16
+TOKENS = list(range(200, 200 + 6 * BS))
+
+
+def _stored(
+    hashes: list[bytes], tokens: list[int], parent: bytes | None, **kw: object
+) -> BlockStored:
+    fields: dict[str, object] = {
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    fields.update(kw)
+    return BlockStored(**fields)  # type: ignore[arg-type]
+
+
+def _payload(*events: object) -> bytes:
+    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=list(events)))  # type: ignore[arg-type]
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(32, "big")  # vLLM's sha256 block hashes are 32 bytes
+
+
+def test_stored_blocks_chain_to_the_keys_the_gateway_computes_from_tokens() -> None:
+    keymap = BlockKeyMap()
+    # The prompt's first 4 blocks, then 2 more (a later step, chained on block 3).
+    first = keymap.decode(_payload(_stored([_h(i) for i in range(4)], TOKENS[: 4 * BS], None)), BS)
+    later = keymap.decode(_payload(_stored([_h(4), _h(5)], TOKENS[4 * BS :], _h(3))), BS)
+    expected = chain_hashes(TOKENS, BS)
+    assert first.stored == [expected[:4]]
+    assert later.stored == [expected[4:]]
+    removed = keymap.decode(_payload(BlockRemoved(block_hashes=[_h(5), _h(4)], medium="GPU")), BS)
+    assert removed.removed == [expected[5], expected[4]]
+    assert len(keymap) == 4
+
+
+def test_int_block_hashes_work_like_bytes() -> None:
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1 publishes 64-bit ints instead of bytes."""
+    keymap = BlockKeyMap()
+    ops = keymap.decode(_payload(_stored([11, 12], TOKENS[: 2 * BS], None)), BS)  # type: ignore[list-item]
+    assert ops.stored == [chain_hashes(TOKENS[: 2 * BS], BS)]
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        pytest.param(_stored([_h(1)], TOKENS[:BS], _h(99)), "unknown_parent", id="unknown-parent"),
+        pytest.param(_stored([_h(1)], TOKENS[:BS], None, lora_id=3), "foreign", id="lora"),
+        pytest.param(_stored([_h(1)], TOKENS[:BS], None, medium="CPU"), "foreign", id="cpu-tier"),
+        pytest.param(_stored([_h(1)], TOKENS[:BS], None, group_idx=1), "foreign", id="group"),
+        pytest.param(
+            _stored([_h(1)], TOKENS[:BS], None, extra_keys=[("salt",)]), "foreign", id="salt"
+        ),
+        pytest.param(
+            _stored([_h(1)], TOKENS[: 2 * BS], None, block_size=2 * BS), "foreign", id="block-size"
+        ),
+        pytest.param(_stored([_h(1), _h(2)], TOKENS[:BS], None), "garbled", id="short-tokens"),
+    ],
+)
+def test_blocks_the_gateway_cannot_key_are_dropped_and_counted(event: object, reason: str) -> None:
+    ops = BlockKeyMap().decode(_payload(event), BS)
+    assert ops.stored == []
+    assert ops.dropped == {reason: 1}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"\xc1\xff\x00garbage", id="not-msgpack"),
+        pytest.param(msgspec.msgpack.encode({"ts": 1}), id="wrong-shape"),
+        pytest.param(msgspec.msgpack.encode([1.0, "events", None]), id="events-not-a-list"),
+        pytest.param(b"\x93\xcb" + b"\x00" * 8 + b"\xdd\xff\xff\xff\xff", id="huge-array-header"),
+    ],
+)
+def test_garbled_messages_are_counted_never_raised(payload: bytes) -> None:
+    ops = BlockKeyMap().decode(payload, BS)
+    assert ops.empty
+    assert ops.dropped == {"garbled": 1}
+
+
+def test_an_unknown_event_is_dropped_alone_and_clear_empties_the_map() -> None:
+    keymap = BlockKeyMap()
+    future = msgspec.msgpack.encode({"type": "BlockPinned", "block_hashes": [b"x"]})
+    good = msgspec.msgpack.encode(_stored([_h(1)], TOKENS[:BS], None))
+    payload = msgspec.msgpack.encode([1.0, [msgspec.Raw(future), msgspec.Raw(good)], 0])
+    ops = keymap.decode(payload, BS)
+    assert ops.dropped == {"garbled": 1}
+    assert ops.stored == [chain_hashes(TOKENS[:BS], BS)]
+    ops = keymap.decode(_payload(AllBlocksCleared()), BS)
+    assert ops.cleared
+    assert len(keymap) == 0
+
+
+def test_sequence_frames_and_endpoints() -> None:
+    assert seq_of((7).to_bytes(8, "big")) == 7
+    assert seq_of(b"\x01") is None
+    assert endpoint_for("http://10.0.0.5:8000", 5557, {}) == "tcp://10.0.0.5:5557"
+    assert endpoint_for("http://[::1]:8000", 5557, {}) == "tcp://[::1]:5557"
+    explicit = {"http://a:1": "ipc:///run/a.sock"}
+    assert endpoint_for("http://a:1", 5557, explicit) == "ipc:///run/a.sock"
+
+
+# --- the subscriber thread, against vLLM's own publisher -------------------------------------
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def _tracker() -> PrefixTracker:
+    tracker = PrefixTracker("kv_events")
+    tracker.observe("m", "http://a", replace(default_stats(), prefix_caching=True))
+    return tracker
+
+
+async def test_subscriber_applies_vllm_publisher_events_off_the_loop(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint)
+    tracker = _tracker()
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    try:
+        subscribers.add("m", "http://a", endpoint)
+        stored = _stored([_h(i) for i in range(6)], TOKENS, None)
+
+        def published_and_applied() -> bool:
+            # ZMQ's slow joiner: what is published before the subscription lands is lost.
+            publisher.publish(KVEventBatch(ts=time.time(), events=[stored]))
+            return tracker.indexed_blocks("m", "http://a") == 6
+
+        await _until(published_and_applied)
+        publisher.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([_h(5)], "GPU")]))
+        await _until(lambda: tracker.indexed_blocks("m", "http://a") == 5)
+        views = [BackendView("http://a", True, 0, 16000, 0, 2048)]
+        tracker.annotate("m", views, PromptBlocks(tuple(chain_hashes(TOKENS, BS)), len(TOKENS) + 1))
+        assert views[0].cached_tokens == 5 * BS
+        text = metrics.exposition().decode()
+        assert metric(text, "sal_kv_events_total", kind="removed_blocks") == 1.0
+    finally:
+        await subscribers.stop()
+        publisher.shutdown()
+
+
+async def test_hostile_publisher_messages_are_counted_and_the_subscriber_keeps_going(
+    tmp_path: Path,
+) -> None:
+    endpoint = f"ipc://{tmp_path}/hostile.sock"
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint)
+    tracker = _tracker()
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    good = _payload(_stored([_h(1)], TOKENS[:BS], None))
+    try:
+        subscribers.add("m", "http://a", endpoint)
+
+        def dropped(reason: str) -> float:
+            text = metrics.exposition().decode()
+            return metric(text, "sal_kv_events_dropped_total", reason=reason) or 0.0
+
+        def send_garbage() -> bool:
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1garbage"])
+            pub.send_multipart([b"only-one-frame"])
+            return dropped("garbled") >= 2
+
+        await _until(send_garbage)
+        pub.send_multipart([b"", (5).to_bytes(8, "big"), good])  # seq 0 -> 5: a gap
+        await _until(lambda: tracker.indexed_blocks("m", "http://a") == 1)
+        assert dropped("gap") >= 1
+    finally:
+        await subscribers.stop()
+        pub.close(linger=0)
+        ctx.term()

@@ -1,0 +1,38 @@
+"""The prefix-real benchmark's pure parts: the multi-turn workload and the report."""
+
+from __future__ import annotations
+
+from bench.prefix_real import RunResult, build_parser, report
+from bench.prefix_workload import SYSTEM_TOKENS, make_workload
+
+
+def test_workload_is_seeded_fits_the_context_and_shares_only_the_system_prompt() -> None:
+    first = make_workload(3, 10, rate_per_s=1.0, think_mean_s=2.0)
+    assert first == make_workload(3, 10, rate_per_s=1.0, think_mean_s=2.0)
+    assert first != make_workload(4, 10, rate_per_s=1.0, think_mean_s=2.0)
+    starts = [c.start_s for c in first]
+    assert starts == sorted(starts)
+    system = first[0].turns[0].message[:SYSTEM_TOKENS]
+    for conv in first:
+        assert len(conv.turns) >= 1
+        assert conv.turns[0].message[:SYSTEM_TOKENS] == system
+        assert conv.turns[0].think_s == 0.0
+        total = sum(len(t.message) + t.output_tokens for t in conv.turns)
+        assert total <= 2048  # the prompt so far plus the reply always fits the context
+    # Different conversations diverge right after the shared system prompt.
+    seconds = {c.turns[0].message[SYSTEM_TOKENS : SYSTEM_TOKENS + 8] for c in first}
+    assert len(seconds) == len(first)
+
+
+def test_report_pairs_ratios_by_seed_and_lists_every_run() -> None:
+    runs = [
+        RunResult("sal+approximate", 0, 10, ttft_p50_s=1.0, ttft_p95_s=2.0, prompt_tokens=100),
+        RunResult("p2c", 0, 10, ttft_p50_s=1.5, ttft_p95_s=2.0, prompt_tokens=100),
+        RunResult("sal+approximate", 1, 10, ttft_p50_s=2.0, ttft_p95_s=4.0, prompt_tokens=100),
+        RunResult("p2c", 1, 10, ttft_p50_s=2.0, ttft_p95_s=2.0, prompt_tokens=100),
+    ]
+    text = report(runs, build_parser().parse_args(["--seeds", "0,1"]))
+    # p50 ratios 1.5 and 1.0 -> median 1.25 (1.00-1.50); p95 1.0 and 0.5.
+    assert "| p2c    | 1.25x (1.00x–1.50x) | 0.75x (0.50x–1.00x) |" in text
+    assert text.count("| sal+approximate | 0 ") + text.count("| sal+approximate | 1 ") == 2
+    assert "`sal-bench prefix-real --seeds 0,1`" in text

@@ -1,0 +1,74 @@
+"""`bench.prefix_report`: medians with spreads, ties, and the aims verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.prefix_report import aims, ratio, write_report
+
+
+def _row(router: str, seed: int, p50: float, **extra: float) -> dict[str, Any]:
+    base = {
+        "scenario": "s", "router": router, "engine": "fcfs", "seed": seed, "requests": 10,
+        "unfinished": 0, "ttft_p50_s": p50, "ttft_p95_s": 2 * p50, "ttft_p99_s": 3 * p50,
+        "tgt_p50_s": 9.0, "hit_rate": 0.5, "predicted_hit_rate": 0.4,
+        "preemptions_per_100": 0.0, "busiest_share": 0.3,
+    }  # fmt: skip
+    return {**base, **extra}
+
+
+def _doc(rows: list[dict[str, Any]], regime: str) -> dict[str, Any]:
+    scenario = {
+        "name": "s", "workload": "chat", "profile": "p", "replicas": 4, "load_factor": 1.0,
+        "window_s": 1.0, "think_time_s": [5, 60], "regime": regime,
+    }  # fmt: skip
+    return {"command": "cmd", "wall_s": 60.0, "scenarios": [scenario], "results": {"s": rows}}
+
+
+def test_overlapping_spreads_are_a_tie() -> None:
+    rows = [_row("sal", s, p) for s, p in enumerate((1.0, 1.2, 2.0))]
+    rows += [_row("sal_paper", s, p) for s, p in enumerate((1.9, 2.2, 2.5))]
+    value, tie = ratio(rows, "sal", "sal_paper", "fcfs", "ttft_p50_s")
+    assert value == 2.2 / 1.2
+    assert tie
+
+
+def test_aims_report_met_and_not_met_with_the_best_baseline_named(tmp_path: Path) -> None:
+    rows = []
+    for seed in range(3):
+        rows += [
+            _row("sal", seed, 1.0 + 0.01 * seed),
+            _row("sal_paper", seed, 2.0 + 0.01 * seed),
+            _row("llm_d", seed, 1.1 + 0.01 * seed),
+            _row("cache_aware", seed, 3.0),
+            _row("prefix_affinity", seed, 5.0, preemptions_per_100=0.0),
+        ]
+    verdicts = {
+        aim: (measured, verdict) for _, aim, measured, verdict in aims(_doc(rows, "reuse survives"))
+    }
+    assert verdicts["p50 TTFT >= 1.5x lower than sal_paper"] == (
+        "1.99x (per seed 1.98-2.00x)",
+        "met",
+    )
+    assert verdicts["p50 TTFT >= 1.2x lower than the best baseline (llm_d)"] == (
+        "1.10x (per seed 1.10-1.10x)",
+        "not met",
+    )
+    write_report(_doc(rows, "reuse survives"), tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert "| fcfs | sal | 1.01 (1.00-1.02) |" in text
+    assert "not met" in text
+
+
+def test_a_loss_on_every_seed_is_not_hidden_by_a_wide_spread() -> None:
+    # Windows differ a lot (wide, overlapping spreads), but SAL is slower in each one.
+    rows = []
+    for seed, p50 in enumerate((1.0, 2.0, 3.0)):
+        rows += [
+            _row("sal", seed, p50 * 1.1),
+            _row("sal_paper", seed, p50),
+            _row("llm_d", seed, p50 * 2),
+        ]
+    verdicts = {aim: v for _, aim, _, v in aims(_doc(rows, "reuse does not survive"))}
+    assert verdicts["no p50 regression vs sal_paper"] == "not met (worse on every seed)"

@@ -1,0 +1,92 @@
+"""Several independent gateways in front of the same simulated replicas (`gateways` > 1)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from engine_sim.simulator import RouterConfig, SimulationError, simulate
+from engine_sim.trace import TraceRequest, gamma_arrivals
+
+
+def _workload(n: int, rate_per_s: float, seed: int = 5) -> list[TraceRequest]:
+    times = gamma_arrivals(n, rate_per_s, cv=3.0, seed=seed)
+    return [
+        TraceRequest(t, 200 + (i * 7919) % 3000, 10 + (i * 104729) % 200)
+        for i, t in enumerate(times)
+    ]
+
+
+def test_one_gateway_decides_as_before_and_logs_every_decision() -> None:
+    reqs = _workload(150, rate_per_s=6.0)
+    default = simulate(reqs, replicas=3, router=RouterConfig("p2c", seed=4))
+    explicit = simulate(reqs, replicas=3, router=RouterConfig("p2c", seed=4, gateways=1))
+    assert default.outcomes == explicit.outcomes
+    assert len(default.decisions) == 150
+    assert {d.gateway for d in default.decisions} == {0}
+    by_time = sorted(default.outcomes, key=lambda o: o.arrival_s)
+    assert [d.replica for d in default.decisions] == [o.replica for o in by_time]
+
+
+@pytest.mark.parametrize("split", ["round_robin", "random"])
+def test_every_gateway_gets_its_share_and_every_request_finishes(split: str) -> None:
+    reqs = _workload(400, rate_per_s=10.0)
+    router = RouterConfig("sal", gateways=4, gateway_split=split, seed=2)
+    result = simulate(reqs, replicas=4, router=router)
+    assert result.unfinished == 0
+    shares = Counter(d.gateway for d in result.decisions)
+    assert set(shares) == {0, 1, 2, 3}
+    if split == "round_robin":
+        assert max(shares.values()) - min(shares.values()) <= 1
+    else:
+        assert min(shares.values()) > 60  # 100 expected each
+
+
+def test_each_gateway_polls_on_its_own_phase() -> None:
+    reqs = _workload(300, rate_per_s=10.0)
+    result = simulate(reqs, replicas=2, router=RouterConfig("sal", gateways=4))
+    for d in result.decisions:
+        if d.snapshot_s > reqs[0].arrival_s:  # the initial picture predates every poll
+            phase = (d.snapshot_s / 0.1) % 1.0
+            assert phase == pytest.approx(d.gateway / 4, abs=1e-6) or (
+                d.gateway == 0 and phase == pytest.approx(1.0, abs=1e-6)
+            )
+            assert d.snapshot_s <= d.time_s
+
+
+def test_gateways_only_count_their_own_requests_in_flight() -> None:
+    # Two requests at once, one per gateway: each gateway sees both replicas empty, so
+    # least_requests sends both to replica 0; one gateway would have used both replicas.
+    reqs = [TraceRequest(0.0, 100, 50), TraceRequest(0.0, 100, 50)]
+    one = simulate(reqs, replicas=2, router=RouterConfig("least_requests"))
+    two = simulate(reqs, replicas=2, router=RouterConfig("least_requests", gateways=2))
+    assert sorted(d.replica for d in one.decisions) == [0, 1]
+    assert [d.replica for d in two.decisions] == [0, 0]
+
+
+def test_sal_gateways_on_the_same_snapshot_herd_onto_the_same_replica() -> None:
+    # Four requests within one poll period, one per gateway, every replica idle at the last
+    # poll: each gateway knows only its own routing, so all four pick the same replica,
+    # where one gateway's between-poll accounting spreads them.
+    reqs = [TraceRequest(0.2 + 0.01 * i, 500, 5) for i in range(4)]
+    herd = simulate(reqs, replicas=3, router=RouterConfig("sal", gateways=4, poll_interval_s=1.0))
+    assert [d.replica for d in herd.decisions] == [0, 0, 0, 0]
+    one = simulate(reqs, replicas=3, router=RouterConfig("sal", poll_interval_s=1.0))
+    assert len({d.replica for d in one.decisions}) == 3
+
+
+def test_several_gateways_are_deterministic_for_a_seed() -> None:
+    reqs = _workload(200, rate_per_s=8.0)
+    router = RouterConfig("p2c", gateways=3, gateway_split="random", seed=9)
+    a = simulate(reqs, replicas=4, router=router)
+    b = simulate(reqs, replicas=4, router=router)
+    assert a.outcomes == b.outcomes
+    assert a.decisions == b.decisions
+
+
+def test_bad_gateway_settings_are_refused() -> None:
+    with pytest.raises(SimulationError, match="gateways"):
+        RouterConfig(gateways=0)
+    with pytest.raises(SimulationError, match="gateway_split"):
+        RouterConfig(gateways=2, gateway_split="hash")
