@@ -4,10 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST`` every 
 endpoint of `endpoints.ENDPOINTS` (``/v1/responses``, ``/v1/embeddings``, ``/tokenize``,
 ``/v1/rerank``, ...; same admission and `Forwarder`), ``GET /v1/models`` (the replicas'
 union, `model_catalog`), ``GET /health`` (alive), ``GET /ready`` (every model has an eligible
-backend, else 503), ``GET /metrics`` (Prometheus). Every error is an OpenAI-style JSON body
-(`errors`), unknown paths (404), wrong methods (405) and framework validation (422) included;
-an unexpected exception is logged with the request id and answered 500 naming that id, never
-a traceback.
+backend and a request worker is up, else 503), ``GET /metrics`` (Prometheus). Every error is
+an OpenAI-style JSON body (`errors`), unknown paths (404), wrong methods (405) and framework
+validation (422) included; an unexpected exception is logged with the request id and answered
+500 naming that id, never a traceback.
 
 In front of the routes, `front_door.FrontDoor` sets the request id, checks API keys and
 limits concurrent relayed requests; `admission.admit` reads, validates and counts each
@@ -487,9 +487,21 @@ def create_app(
             and max_age_s > 0
             and any(v.eligible for v in rt.table.degraded_views(model, now_s, max_age_s))
         ]
-        is_ready = all(n > 0 or model in degraded for model, n in per_model.items())
+        # The worker processes load the tokenizers at start-up (seconds): until one is up,
+        # a large request or a trusted template would wait for it.
+        workers_ready = (rt.bodies is None or rt.bodies.ready) and (
+            rt.templates is None or rt.templates.ready
+        )
+        is_ready = workers_ready and all(
+            n > 0 or model in degraded for model, n in per_model.items()
+        )
         return JSONResponse(
-            {"ready": is_ready, "eligible_backends": per_model, "degraded_models": degraded},
+            {
+                "ready": is_ready,
+                "eligible_backends": per_model,
+                "degraded_models": degraded,
+                "workers_ready": workers_ready,
+            },
             status_code=200 if is_ready else 503,
         )
 

@@ -56,6 +56,12 @@ class BodyPool:
         """Start the workers in the background (call in the running loop)."""
         self.pool.start()
 
+    @property
+    def ready(self) -> bool:
+        """At least one worker is up: a large request would not wait for a cold start
+        (loading the tokenizers takes seconds). ``GET /ready`` reports it."""
+        return self.pool.live_workers > 0
+
     async def aclose(self) -> None:
         await self.pool.aclose()
 

@@ -51,6 +51,11 @@ class TemplatePool:
         """Start the workers in the background (call in the running loop)."""
         self._pool.start()
 
+    @property
+    def ready(self) -> bool:
+        """At least one renderer is up (``GET /ready`` reports it)."""
+        return self._pool.live_workers > 0
+
     async def render(self, raw_body: bytes, special: dict[str, Any]) -> str:
         """The request template rendered over the request's messages (raw JSON body)."""
         try:

@@ -171,6 +171,11 @@ class ProcessPool:
         return self._idle.qsize()
 
     @property
+    def live_workers(self) -> int:
+        """Children started and not lost (idle or busy)."""
+        return len(self._all)
+
+    @property
     def pids(self) -> list[int]:
         """Process ids of the live children (tests kill them)."""
         return [w.proc.pid for w in self._all]

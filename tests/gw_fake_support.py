@@ -112,7 +112,9 @@ def gateway_rig(
         gateway = ServedApp(create_app(config, resolve=resolve), lifespan=True)
         url = stack.enter_context(gateway)
         rig = Rig(served, gateway, url)
-        wait_until(lambda: httpx.get(f"{url}/ready", timeout=5.0).status_code == 200)
+        # Ready: the backends are eligible and a request worker is up (it loads the
+        # tokenizers: seconds on a loaded box).
+        wait_until(lambda: httpx.get(f"{url}/ready", timeout=5.0).status_code == 200, 60.0)
         yield rig
 
 

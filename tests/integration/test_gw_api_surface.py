@@ -75,7 +75,7 @@ def _fleet(limits: dict[str, Any], delay_s: float = 0.0) -> Iterator[Fleet]:
             }
         )
         url = stack.enter_context(ServedApp(create_app(config), lifespan=True))
-        wait_until(lambda: httpx.get(f"{url}/ready", timeout=5.0).status_code == 200)
+        wait_until(lambda: httpx.get(f"{url}/ready", timeout=5.0).status_code == 200, 60.0)
         yield Fleet(url, fakes)
 
 

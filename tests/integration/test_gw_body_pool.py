@@ -13,6 +13,8 @@ import asyncio
 import json
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -174,3 +176,41 @@ def test_beyond_the_waiting_bound_large_bodies_get_429(tiny_model_dir: Path) -> 
             await pool.aclose()
 
     asyncio.run(scenario())
+
+
+def test_not_ready_while_no_request_worker_is_up(tiny_model_dir: Path) -> None:
+    # A load balancer must not send traffic to a gateway whose request workers are still
+    # loading the tokenizers: a large request would wait seconds for them.
+    extra = {"limits": {"body_workers": 1}}
+    with gateway_rig(1, tokenizer=tiny_model_dir, max_model_len=1_000_000, extra=extra) as rig:
+        bodies = rig.runtime.bodies
+        assert bodies is not None
+        ready = httpx.get(f"{rig.url}/ready", timeout=10.0)
+        assert ready.status_code == 200
+        assert ready.json()["workers_ready"] is True
+        (pid,) = bodies.pool.pids
+        os.kill(pid, signal.SIGKILL)
+        raw = json.dumps({"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 1}).encode()
+        answers: list[httpx.Response] = []
+
+        def large_request() -> None:
+            answers.append(httpx.post(f"{rig.url}/v1/completions", content=raw, timeout=120.0))
+
+        sender = threading.Thread(target=large_request)
+        sender.start()
+        # The request finds the worker dead, and waits for its replacement: meanwhile the
+        # gateway says it is not ready, and why.
+        seen: list[dict[str, Any]] = []
+        while sender.is_alive():
+            answer = httpx.get(f"{rig.url}/ready", timeout=10.0)
+            if answer.status_code == 503:
+                seen.append(answer.json())
+            time.sleep(0.02)
+        sender.join()
+        assert seen, "/ready never said 503 while the only request worker was replaced"
+        assert all(s["workers_ready"] is False and s["ready"] is False for s in seen)
+        assert answers[0].status_code == 200
+        assert bodies.pool.replaced == 1
+        after = httpx.get(f"{rig.url}/ready", timeout=10.0)
+        assert after.status_code == 200
+        assert after.json()["workers_ready"] is True

@@ -80,7 +80,7 @@ def traced_rig(
         config = gateway_config([s.url for s in served], **config_kw)
         gateway = ServedApp(create_app(config, tracing=tracing), lifespan=True)
         url = stack.enter_context(gateway)
-        wait_until(lambda: httpx.get(f"{url}/ready", timeout=5.0).status_code == 200)
+        wait_until(lambda: httpx.get(f"{url}/ready", timeout=5.0).status_code == 200, 60.0)
         yield TracedRig(served, url, exporter)
 
 
