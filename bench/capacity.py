@@ -34,11 +34,11 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
+from engine_sim.data import AZURE_CHAT, AZURE_CODE, SHAREGPT_STATS, data_dir, missing_message
 
 HELP = "highest load each stack sustains within p95 TTFT/TPOT SLOs (bisection, 3 windows)"
 
@@ -76,7 +76,15 @@ SLOS["chat-bursty"] = Slo(
     SLOS["chat"].tpot_p95_s,
     "as chat: the same requests and users, only the arrivals are bursty",
 )
-"""Per workload (chat-bursty keeps chat's objectives: the same users)."""
+SLOS["multiturn"] = Slo(
+    5.0,
+    SLOS["chat"].tpot_p95_s,
+    "chatbot TPOT as chat (0.1 s); TTFT scaled to these prompts as code's is: each turn resends "
+    "the conversation so far (median 8-9k tokens, p95 22k), so a replica that has none of it "
+    "cached prefills for seconds even when idle: 5 s is about 2.2x the unloaded p95 of "
+    "cache-blind routing (2.3 s on 8 x llama31-8b-a100-80gb at 0.05x)",
+)
+"""Per workload (chat-bursty and multiturn keep chat's objectives: chatbot users)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +100,23 @@ class Plan:
     """Windows per cell (the seeds)."""
     rel_tol: float
     """Bisection stops when the bracket's hi / lo is at most 1 + this."""
+    reuse_fleets: tuple[tuple[str, int], ...] = ()
+    """(profile, replicas) for the workloads with prefix reuse (`bench.windows.REUSE_WORKLOADS`;
+    long-context profiles: their prompts grow with the conversation); `fleets` for the rest."""
+
+    def fleets_for(self, workload: str) -> tuple[tuple[str, int], ...]:
+        from bench.windows import REUSE_WORKLOADS
+
+        return self.reuse_fleets if workload in REUSE_WORKLOADS else self.fleets
 
 
 FULL = Plan(
-    workloads=("chat", "chat-bursty", "code"),
+    workloads=("chat", "chat-bursty", "code", "multiturn"),
     fleets=(("llama3-8b-a100", 8), ("llama3-70b-fp8-h100x2", 4)),
     window_s=300.0,
     windows=3,
     rel_tol=0.03,
+    reuse_fleets=(("llama31-8b-a100-80gb", 8), ("llama31-8b-a100", 8)),
 )
 QUICK = Plan(
     workloads=("chat-bursty", "code"),
@@ -124,6 +141,11 @@ class Probe:
     tpot_p95_s: float
     unfinished: int
     ok: bool
+    hit_rate: float = 0.0
+    """Share of prompt tokens served from the replicas' prefix caches (0 without reuse)."""
+    aborted: bool = False
+    """Stopped once more than 5 % of requests were certainly over the TTFT objective (a
+    failed probe; its latencies cover the requests finished by then)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -148,11 +170,21 @@ class Cell:
     replicas: int
     window: int
     requests: Sequence[Any]
-    """The window's requests, unscaled."""
+    """The window's requests at the fleet's 1x (trace workloads: unscaled)."""
+    window_s: float = 0.0
+    """Generated workloads: seconds during which conversations start."""
+    lengths: Sequence[tuple[int, int]] = ()
+    """Generated workloads: the ShareGPT lengths they draw from (`bench.windows`)."""
 
     @property
     def slo(self) -> Slo:
         return SLOS[self.workload]
+
+    @property
+    def has_reuse(self) -> bool:
+        from bench.windows import REUSE_WORKLOADS
+
+        return self.workload in REUSE_WORKLOADS
 
     def trace_factor(self, load_x: float) -> float:
         """The trace load factor of `load_x` times the fleet's nominal 1x."""
@@ -160,20 +192,46 @@ class Cell:
 
         return load_x * base_load(self.workload, self.profile) * self.replicas
 
+    def requests_at(self, load_x: float) -> Sequence[Any]:
+        """The cell's requests at `load_x` times the fleet's 1x: a trace window on a faster
+        clock; ``multiturn``: more conversations, each with the same think times."""
+        from bench.windows import MULTITURN_RATE_1X, multiturn_window
+        from engine_sim.trace import scale_load
 
-def probe(cell: Cell, stack: Any, load_x: float) -> Probe:
-    """Run `stack` on `cell` at `load_x` times the fleet's 1x and judge it by the cell's SLO."""
+        if self.workload == "multiturn":
+            rate = load_x * MULTITURN_RATE_1X[self.profile] * self.replicas
+            return multiturn_window(self.lengths, self.window, self.window_s, rate)
+        return scale_load(self.requests, self.trace_factor(load_x))
+
+    def rate_1x_per_replica(self) -> float:
+        """Requests/s per replica at 1x (arrivals over the window's span)."""
+        reqs = self.requests_at(1.0)
+        span = float(reqs[-1].arrival_s - reqs[0].arrival_s) or 1.0
+        return len(reqs) / span / self.replicas
+
+
+def probe(cell: Cell, stack: Any, load_x: float, *, early_stop: bool = True) -> Probe:
+    """Run `stack` on `cell` at `load_x` times the fleet's 1x and judge it by the cell's SLO.
+
+    With `early_stop` the run ends as soon as more than 5 % of its requests are certainly
+    over the TTFT objective (the verdict is then known; past saturation the rest would cost
+    the most simulator time of all); without it every request runs to its end.
+    """
     from bench.stacks import run_stack, tpots_s
-    from engine_sim.simulator import RouterConfig
-    from engine_sim.trace import scale_load
+    from engine_sim.simulator import LateAbort, RouterConfig
     from sal_core.percentile import percentile
 
+    requests = cell.requests_at(load_x)
+    # p95 is certainly above the objective once more than ceil(5 % of n) requests are.
+    abort = LateAbort(cell.slo.ttft_p95_s, math.ceil(0.05 * len(requests)))
     result = run_stack(
-        scale_load(cell.requests, cell.trace_factor(load_x)),
+        requests,
         stack,
         profile=cell.profile,
         replicas=cell.replicas,
         router=RouterConfig(seed=cell.window),
+        prefix_caching=cell.has_reuse,
+        abort=abort if early_stop else None,
     )
     ttft = [o.ttft_s for o in result.outcomes]
     ttft_p95 = percentile(ttft, 95)
@@ -183,7 +241,16 @@ def probe(cell: Cell, stack: Any, load_x: float) -> Probe:
         and ttft_p95 <= cell.slo.ttft_p95_s
         and not tpot_p95 > cell.slo.tpot_p95_s  # NaN (no decode at all) meets it
     )
-    return Probe(load_x, ttft_p95, percentile(ttft, 99), tpot_p95, result.unfinished, ok)
+    return Probe(
+        load_x,
+        ttft_p95,
+        percentile(ttft, 99),
+        tpot_p95,
+        result.unfinished,
+        ok,
+        result.summary.hit_rate,
+        result.aborted,
+    )
 
 
 def find_capacity(
@@ -234,8 +301,7 @@ def capacity_rows(cell: Cell, stacks: Sequence[Any], rel_tol: float) -> list[Row
     """
     rows: list[Row] = []
     baseline_x: float | None = None
-    rate_1x_per_replica = len(cell.requests) / _span_s(cell) * cell.trace_factor(1.0)
-    rate_1x_per_replica /= cell.replicas
+    rate_1x_per_replica = cell.rate_1x_per_replica()
     for stack in stacks:
         probes: dict[float, Probe] = {}
 
@@ -248,7 +314,9 @@ def capacity_rows(cell: Cell, stacks: Sequence[Any], rel_tol: float) -> list[Row
         capacity_x = find_capacity(sustains, baseline_x or 1.0, rel_tol)
         if baseline_x is None:
             baseline_x = max(capacity_x, LOAD_LIMITS[0])
-        at_base = probes.get(baseline_x) or probe(cell, stack, baseline_x)
+        at_base = probes.get(baseline_x)
+        if at_base is None or at_base.aborted:  # its latencies are reported: run it whole
+            at_base = probe(cell, stack, baseline_x, early_stop=False)
         wall_s = time.perf_counter() - started
         _log(
             f"{cell.workload} {cell.replicas}x{cell.profile} window {cell.window} "
@@ -275,22 +343,23 @@ def capacity_rows(cell: Cell, stacks: Sequence[Any], rel_tol: float) -> list[Row
     return rows
 
 
-def _span_s(cell: Cell) -> float:
-    return float(cell.requests[-1].arrival_s - cell.requests[0].arrival_s) or 1.0
-
-
 def _cell(task: tuple[str, str, int, int, Plan, list[str], Path]) -> list[Row]:
     """Worker entry: build one cell from the traces and measure every stack on it."""
     from bench.stacks import BASELINE, for_workload, stacks_by_name
-    from bench.windows import REUSE_WORKLOADS, window, workload_trace
+    from bench.windows import GENERATED_WORKLOADS, multiturn_lengths, window, workload_trace
 
     workload, profile, replicas, index, plan, names, folder = task
-    reqs = window(workload_trace(workload, folder), index, plan.window_s)
-    if len(reqs) < 2:
-        _log(f"{workload} window {index}: fewer than 2 requests in the window, left out")
-        return []
-    cell = Cell(workload, profile, replicas, index, reqs)
-    stacks = for_workload(stacks_by_name(names), has_reuse=workload in REUSE_WORKLOADS)
+    if workload in GENERATED_WORKLOADS:
+        lengths = multiturn_lengths(folder)
+        cell = Cell(workload, profile, replicas, index, (), plan.window_s, lengths)
+        cell = replace(cell, requests=cell.requests_at(1.0))
+    else:
+        reqs = window(workload_trace(workload, folder), index, plan.window_s)
+        if len(reqs) < 2:
+            _log(f"{workload} window {index}: fewer than 2 requests in the window, left out")
+            return []
+        cell = Cell(workload, profile, replicas, index, reqs)
+    stacks = for_workload(stacks_by_name(names), has_reuse=cell.has_reuse)
     stacks.sort(key=lambda s: s.name != BASELINE)  # stable: the baseline first, then in order
     return capacity_rows(cell, stacks, plan.rel_tol)
 
@@ -315,7 +384,7 @@ def measure(
     tasks = [
         (workload, profile, replicas, index, plan, chosen, folder)
         for workload in plan.workloads
-        for profile, replicas in plan.fleets
+        for profile, replicas in plan.fleets_for(workload)
         for index in range(plan.windows)
     ]
     rows: list[Row] = []
@@ -351,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"sal-bench capacity: error: cannot re-render: {exc!r}", file=sys.stderr)
             return 2
         return 0
-    for name in (AZURE_CHAT, AZURE_CODE):
+    for name in (AZURE_CHAT, AZURE_CODE, SHAREGPT_STATS):
         if not (args.data_dir / name).is_file():
             missing = missing_message(args.data_dir / name, "--data-dir")
             print(f"sal-bench capacity: error: {missing}", file=sys.stderr)

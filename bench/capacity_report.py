@@ -65,7 +65,7 @@ def _binding(runs: Sequence[Row]) -> str:
         first = min(above, key=lambda p: p["load_x"])
         slo = run["slo"]
         parts = []
-        if first["ttft_p95_s"] > slo["ttft_p95_s"]:
+        if first["ttft_p95_s"] > slo["ttft_p95_s"] or first.get("aborted"):
             parts.append("TTFT")
         if first["tpot_p95_s"] > slo["tpot_p95_s"]:
             parts.append("TPOT")
@@ -134,14 +134,16 @@ def _aim(groups: dict[tuple[str, str, int], dict[str, list[Row]]]) -> list[str]:
     return out
 
 
-def _cell_table(stacks: dict[str, list[Row]]) -> list[str]:
+def _cell_table(stacks: dict[str, list[Row]], reuse: bool) -> list[str]:
     base_name = _baseline_name(stacks)
     base = stacks[base_name]
     out = [
         "| stack | capacity (x of 1x) | req/s per replica | capacity vs "
         f"{base_name} | replicas for the same traffic | TTFT p95 at {base_name}'s capacity "
-        f"| TTFT p99 at {base_name}'s capacity | TPOT p95 there | SLO that binds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| TTFT p99 at {base_name}'s capacity | TPOT p95 there | "
+        + ("prefix-cache hit rate there | " if reuse else "")
+        + "SLO that binds |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if reuse else ""),
     ]
     for name, runs in stacks.items():
         cap = spread(_capacity(runs))
@@ -151,17 +153,45 @@ def _cell_table(stacks: dict[str, list[Row]]) -> list[str]:
         p95 = spread([float(r["at_baseline"]["ttft_p95_s"]) for r in runs])
         p99 = spread([float(r["at_baseline"]["ttft_p99_s"]) for r in runs])
         tpot = spread([float(r["at_baseline"]["tpot_p95_s"]) for r in runs])
+        hits = spread([100.0 * float(r["at_baseline"].get("hit_rate", 0.0)) for r in runs])
         out.append(
             f"| {name} | {cap.format(3)} | {rps.format(3)} | "
             f"{'—' if name == base_name else vs.format(3)} | {needed.format(2)} | "
             f"{p95.format(3, ' s')} | {p99.format(3, ' s')} | {tpot.format(2, ' s')} | "
-            f"{_binding(runs)} |"
+            + (f"{hits.format(2, ' %')} | " if reuse else "")
+            + f"{_binding(runs)} |"
         )
+    return out
+
+
+REUSE_PAIRS = (
+    ("sal+fcfs", "sal_paper+fcfs", "cache-aware SAL vs the paper's Eq. 2"),
+    ("sal+fcfs", "llm_d+fcfs", "cache-aware SAL vs llm-d's scorers"),
+    ("sal+fcfs", "cache_aware+fcfs", "cache-aware SAL vs SGLang's cache_aware"),
+)
+"""Head-to-head capacity comparisons on the workloads with prefix reuse."""
+
+
+def _reuse(groups: dict[tuple[str, str, int], dict[str, list[Row]]], reuse: set[str]) -> list[str]:
+    out = [
+        "| workload | fleet | comparison | capacity ratio (paired) |",
+        "|---|---|---|---|",
+    ]
+    for (workload, profile, replicas), stacks in groups.items():
+        if workload not in reuse:
+            continue
+        for mine, theirs, what in REUSE_PAIRS:
+            if mine in stacks and theirs in stacks:
+                vs = capacity_vs(stacks[theirs], stacks[mine])
+                out.append(f"| {workload} | {replicas} x {profile} | {what} | {vs.format(3)} |")
     return out
 
 
 def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
     """The whole ``capacity.md``."""
+    from bench.windows import REUSE_WORKLOADS
+
+    reuse = {r["workload"] for r in rows if r["workload"] in REUSE_WORKLOADS}
     for row in rows:
         row.setdefault("slo", meta["slos"][row["workload"]])
         row.setdefault("rel_tol", meta["plan"]["rel_tol"])
@@ -185,6 +215,14 @@ def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
         f"{max(plan['rel_tol'], 0.02) * 100:.0f} % of 1 (the bisection's resolution) is a "
         "**tie**.",
         "",
+        "The workloads with prefix reuse (here: "
+        + (", ".join(sorted(reuse)) or "none")
+        + ") have no trace to slice: window k is seed k of the multi-turn generator "
+        "(conversations starting during the window, each prompt the conversation so far), its "
+        "load is the rate of new conversations (think times unchanged), every replica runs "
+        "vLLM's prefix caching, and the prefix-aware routers (sal, llm_d, cache_aware) read "
+        "the router's approximate index of the blocks it routed (`bench/windows.py`).",
+        "",
         "## SLOs",
         "",
         "| workload | p95 TTFT | p95 TPOT | why |",
@@ -207,6 +245,18 @@ def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
         "",
         *_aim(groups),
         "",
+    ]
+    if reuse:
+        out += [
+            "## With prefix reuse: cache-aware SAL against the other cache-aware routers",
+            "",
+            "Per window: the first stack's capacity / the second's (> 1: cache-aware SAL "
+            "serves more).",
+            "",
+            *_reuse(groups, reuse),
+            "",
+        ]
+    out += [
         "![replicas needed relative to p2c+fcfs](capacity.png)",
     ]
     for (workload, profile, replicas), stacks in groups.items():
@@ -217,7 +267,7 @@ def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
             f"## {workload}, {replicas} x {profile} (p95 TTFT <= {slo['ttft_p95_s']:g} s, "
             f"p95 TPOT <= {slo['tpot_p95_s']:g} s; {n} requests in window 0)",
             "",
-            *_cell_table(stacks),
+            *_cell_table(stacks, workload in reuse),
         ]
     out += [
         "",

@@ -26,9 +26,15 @@ from typing import Any
 from engine_sim.cost_model import get_profile
 from engine_sim.engine import EngineConfig, EngineModel
 from engine_sim.results import RequestOutcome
-from engine_sim.simulator import RouterConfig, SimResult, Simulation, submit_to_engine_model
+from engine_sim.simulator import (
+    LateAbort,
+    RouterConfig,
+    SimResult,
+    Simulation,
+    submit_to_engine_model,
+)
 from engine_sim.trace import TraceRequest
-from sal_core.policies import Policy
+from sal_core.policies import PREFIX_AWARE_POLICIES, Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +64,13 @@ STACKS: tuple[Stack, ...] = (
     Stack("sal+larry", "sal", {"scheduler": "larry", "alpha": 1.0}, what="SAL + paper LARRY"),
     Stack("sal+larry_tail", "sal", {"scheduler": "larry_tail"}, what="SAL + tail-guarded LARRY"),
     Stack("sal_paper+fcfs", "sal_paper", needs_reuse=True, what="SAL's Eq. 2 blind to caches"),
+    Stack("llm_d+fcfs", "llm_d", needs_reuse=True, what="llm-d's default prefix/queue/KV scorers"),
+    Stack("cache_aware+fcfs", "cache_aware", needs_reuse=True, what="SGLang router's cache_aware"),
 )
-"""Every stack, in table order. The integrator adds the tail-free LARRY and cache-aware SAL
-stacks here (one line each)."""
+"""Every stack, in table order. ``sal`` is cache-aware wherever the workload has reuse (the
+router's approximate prefix index, `run_stack`'s ``prefix_caching``), so ``sal+fcfs`` there is
+the cache-aware SAL and ``sal_paper+fcfs`` the paper's Eq. 2 beside it; ``llm_d`` and
+``cache_aware`` only differ from least-loaded routing with reuse, so they run only there."""
 
 
 def stacks_by_name(names: Sequence[str] | None = None) -> list[Stack]:
@@ -96,18 +106,28 @@ def run_stack(
     replicas: int,
     router: RouterConfig | None = None,
     policy: Policy | None = None,
+    prefix_caching: bool = False,
+    abort: LateAbort | None = None,
 ) -> SimResult:
     """Replay `requests` through `replicas` replicas of `stack` (simulator, virtual clock).
 
     `router` sets everything but the policy (poll period, stats delay, gateways, seed); its
     ``policy`` is replaced by the stack's router. `policy` (what-if studies, one gateway)
-    stands in for the stack's router object.
+    stands in for the stack's router object. `prefix_caching` (workloads with reuse): every
+    replica runs vLLM's automatic prefix caching and a prefix-aware router reads the
+    router's approximate index of the blocks it routed (as the gateway's default
+    ``routing.prefix_cache: approximate``); a prefix-blind router sees no cache. `abort`:
+    stop once the TTFT objective is certainly missed (`LateAbort`).
     """
-    config = engine_config(stack, profile)
+    config = engine_config(stack, profile, enable_prefix_caching=prefix_caching)
     cost = get_profile(profile)
     engines = [EngineModel(config, cost) for _ in range(replicas)]
     router_cfg = replace(router or RouterConfig(), policy=stack.router)
-    sim = Simulation(requests, engines, submit_to_engine_model, router_cfg, policy=policy)
+    if prefix_caching and stack.router in PREFIX_AWARE_POLICIES:
+        router_cfg = replace(router_cfg, cache_source="approximate")
+    sim = Simulation(
+        requests, engines, submit_to_engine_model, router_cfg, policy=policy, abort=abort
+    )
     return sim.run()
 
 

@@ -172,6 +172,22 @@ class SimResult:
     """SAL's beta estimate after the last finished request (gateway 0's)."""
     decisions: list[RoutingRecord] = field(default_factory=list)
     """Every routing decision, in arrival order."""
+    aborted: bool = False
+    """Stopped early because the `LateAbort` bound was crossed (the rest is unfinished)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LateAbort:
+    """Stop a run as soon as more than `max_late` requests are certain to have a TTFT above
+    `ttft_s` (their first token came later, or they have waited longer without one).
+
+    For searches that only need to know whether a load meets a TTFT objective (`sal-bench
+    capacity`): past saturation the queues, and the cost of simulating each step, grow
+    without bound, and the verdict is known long before the last request finishes.
+    """
+
+    ttft_s: float
+    max_late: int
 
 
 class RoutingRecord(NamedTuple):
@@ -285,8 +301,10 @@ class Simulation:
         *,
         max_sim_s: float | None = None,
         policy: Policy | None = None,
+        abort: LateAbort | None = None,
     ) -> None:
-        """`policy` overrides the policy named in `router` (for what-if studies, one gateway)."""
+        """`policy` overrides the policy named in `router` (for what-if studies, one gateway);
+        `abort` stops the run early (`LateAbort`)."""
         if not engines:
             raise SimulationError("need at least one replica")
         self._requests = sorted(requests, key=lambda r: r.arrival_s)
@@ -335,6 +353,13 @@ class Simulation:
         self._outcomes: list[RequestOutcome] = []
         self._routed = [0] * len(engines)
         self._steps = 0
+        self._abort = abort
+        self._late = 0
+        """Requests whose first token came more than ``abort.ttft_s`` after arrival."""
+        self._overdue: set[str] = set()
+        """Requests past ``abort.ttft_s`` since arrival with no first token yet."""
+        self._next_due = 0
+        """Index (arrival order) of the next request to check for being overdue."""
 
     def _push(self, time_s: float, prio: int, replica: int) -> None:
         self._seq += 1
@@ -363,6 +388,7 @@ class Simulation:
         next_report = report_every
         next_arrival = 0
         now_s = 0.0
+        aborted = False
         while True:
             arrival_key = (
                 (self._requests[next_arrival].arrival_s, _PRIO_ARRIVAL)
@@ -389,6 +415,9 @@ class Simulation:
             if progress is not None and len(self._outcomes) >= next_report:
                 progress(len(self._outcomes), total)
                 next_report = len(self._outcomes) + report_every
+            if self._abort is not None and self._doomed(now_s, next_arrival):
+                aborted = True
+                break
         if progress is not None:
             progress(len(self._outcomes), total)
         self._outcomes.sort(key=lambda o: self._index_of[o.request_id])
@@ -402,7 +431,21 @@ class Simulation:
             end_s=now_s,
             final_beta=self._betas[0].beta,
             decisions=self._decisions,
+            aborted=aborted,
         )
+
+    def _doomed(self, now_s: float, arrived: int) -> bool:
+        """Whether more than ``abort.max_late`` requests are certainly late by `now_s`
+        (amortized O(1): each arrived request is checked once for being overdue)."""
+        assert self._abort is not None
+        due_by_s = now_s - self._abort.ttft_s
+        first = self._first_token_s
+        while self._next_due < arrived and self._requests[self._next_due].arrival_s < due_by_s:
+            request_id = f"r{self._next_due}"
+            if request_id not in first and request_id in self._tickets:
+                self._overdue.add(request_id)
+            self._next_due += 1
+        return self._late + len(self._overdue) > self._abort.max_late
 
     def _take_snapshot(self, gateway: int, now_s: float) -> None:
         self._snapshots[gateway].append((now_s, [e.stats(now_s) for e in self._engines]))
@@ -481,6 +524,8 @@ class Simulation:
         for request_id, count in result.new_tokens:
             if count > 0 and request_id not in first:
                 first[request_id] = now_s
+                if self._abort is not None:
+                    self._count_if_late(request_id, now_s)
         for request_id in result.preempted:
             self._preemptions[request_id] = self._preemptions.get(request_id, 0) + 1
         for finished in result.finished:
@@ -507,6 +552,13 @@ class Simulation:
                     predicted_cached_tokens=self._predicted.pop(request_id, 0),
                 )
             )
+
+    def _count_if_late(self, request_id: str, first_token_s: float) -> None:
+        assert self._abort is not None
+        self._overdue.discard(request_id)  # counted below instead
+        arrival_s = self._requests[self._index_of[request_id]].arrival_s
+        if first_token_s - arrival_s > self._abort.ttft_s:
+            self._late += 1
 
 
 def _split(n: int, config: RouterConfig) -> list[int]:

@@ -36,6 +36,11 @@ MOONCAKE_BLOCK_TOKENS = 512
 GENERATOR_CHUNK_TOKENS = 16
 """Chunk size of the generated workloads (vLLM's default block size: exact reuse)."""
 
+# Tags of the generators' chunk ids: hashes of int tuples are the same in every process
+# (str hashes are salted per process), so a seed gives the same ids, routes and results in a
+# benchmark's worker processes as in the parent. Conversations use (conversation, chunk).
+_SYSTEM, _HOT, _OWN = -1, -2, -3
+
 
 @dataclass(frozen=True, slots=True)
 class TokenBlocks:
@@ -179,7 +184,7 @@ def multi_turn_chat(
     if not 0 <= lo <= hi:
         raise TraceError(f"bad think time range {spec.think_time_s}")
     rng = random.Random(seed)
-    system = [hash(("system", i)) for i in range(-(-spec.system_prompt_tokens // 16))]
+    system = [hash((_SYSTEM, i)) for i in range(-(-spec.system_prompt_tokens // 16))]
     out: list[TraceRequest] = []
     start_s = 0.0
     for conv in range(spec.conversations):
@@ -236,14 +241,14 @@ def hot_prefix(
     if n < 1 or not rate_per_s > 0 or prefix_tokens < 0:
         raise TraceError("need n >= 1, rate > 0, prefix >= 0")
     rng = random.Random(seed)
-    shared = [hash(("hot", i)) for i in range(prefix_tokens // GENERATOR_CHUNK_TOKENS)]
+    shared = [hash((_HOT, i)) for i in range(prefix_tokens // GENERATOR_CHUNK_TOKENS)]
     out: list[TraceRequest] = []
     t = 0.0
     for i in range(n):
         t += rng.expovariate(rate_per_s)
         prompt = prefix_tokens + rng.randint(*suffix_tokens)
         n_chunks = -(-prompt // GENERATOR_CHUNK_TOKENS)
-        ids = shared + [hash(("own", i, c)) for c in range(len(shared), n_chunks)]
+        ids = shared + [hash((_OWN, i, c)) for c in range(len(shared), n_chunks)]
         blocks = TokenBlocks(ids, GENERATOR_CHUNK_TOKENS, prompt)
         out.append(TraceRequest(t, prompt, rng.randint(*output_tokens), blocks))
     return out

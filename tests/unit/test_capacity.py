@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from bench import capacity
 from bench.capacity import QUICK, Cell, capacity_rows, find_capacity, probe
 from bench.capacity_report import render, replicas_needed
 from bench.cli import main
-from bench.stacks import STACKS, Stack, engine_config, stacks_by_name, tpot_s
+from bench.stacks import STACKS, Stack, engine_config, run_stack, stacks_by_name, tpot_s
 from engine_sim.results import RequestOutcome
 from engine_sim.trace import TraceRequest, gamma_arrivals
 
@@ -61,7 +62,7 @@ def _cell(rate_per_s: float) -> Cell:
 def test_more_load_fails_the_slo_that_a_light_load_meets() -> None:
     cell = _cell(0.5)
     stack = stacks_by_name(["p2c+fcfs"])[0]
-    light, heavy = probe(cell, stack, 0.5), probe(cell, stack, 40.0)
+    light, heavy = probe(cell, stack, 0.5), probe(cell, stack, 40.0, early_stop=False)
     assert light.ok
     assert light.ttft_p95_s <= cell.slo.ttft_p95_s
     assert not heavy.ok
@@ -118,3 +119,67 @@ def test_stacks_that_need_prefix_reuse_are_registered_but_skipped_without_it() -
     assert any(s.needs_reuse for s in STACKS)
     assert all(not s.needs_reuse for s in for_workload(STACKS, has_reuse=False))
     assert QUICK.windows >= 3
+
+
+def test_on_multi_turn_chat_load_is_more_conversations_with_the_same_think_times() -> None:
+    from bench.windows import multiturn_lengths
+    from tests.conftest import DATA_DIR
+
+    cell = Cell("multiturn", "llama31-8b-a100-80gb", 2, 0, (), 120.0, multiturn_lengths(DATA_DIR))
+    light, heavy = cell.requests_at(1.0), cell.requests_at(2.0)
+    conversations = {r.session for r in light}
+    assert len({r.session for r in heavy}) >= 1.8 * len(conversations)
+    # Each conversation's turns keep their spacing: the clock is not compressed.
+    first = sorted((r for r in light if r.session == min(conversations)), key=lambda r: r.arrival_s)
+    assert len(first) >= 2
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(first)]
+    assert all(5.0 <= g <= 60.0 for g in gaps)
+
+
+def test_with_prefix_reuse_the_cache_aware_stacks_see_the_cache_and_the_blind_ones_do_not() -> None:
+    from bench.windows import multiturn_lengths
+    from tests.conftest import DATA_DIR
+
+    cell = Cell("multiturn", "llama31-8b-a100-80gb", 2, 0, (), 120.0, multiturn_lengths(DATA_DIR))
+    sal, blind = stacks_by_name(["sal+fcfs", "sal_paper+fcfs"])
+    aware, paper = probe(cell, sal, 1.0), probe(cell, blind, 1.0)
+    # Replicas cache prefixes for every stack (vLLM's default); only a router that knows
+    # where they are keeps conversations on them: more hits, lower TTFT at the same load.
+    assert paper.hit_rate > 0
+    assert aware.hit_rate > paper.hit_rate + 0.1
+    assert aware.ttft_p95_s < paper.ttft_p95_s
+
+
+def test_an_overloaded_probe_stops_early_with_the_same_verdict() -> None:
+    cell = _cell(0.5)
+    stack = stacks_by_name(["p2c+fcfs"])[0]
+    for load_x in (0.5, 40.0):
+        fast, whole = probe(cell, stack, load_x), probe(cell, stack, load_x, early_stop=False)
+        assert fast.ok == whole.ok
+        assert not whole.aborted
+        if whole.ok:  # nothing to cut short: the very same run
+            assert fast == whole
+    heavy = probe(cell, stack, 40.0)
+    assert heavy.aborted
+    assert heavy.unfinished > 0
+
+
+def test_late_abort_counts_only_requests_certainly_over_the_objective() -> None:
+    from engine_sim.simulator import LateAbort, RouterConfig
+    from sal_core.percentile import percentile
+
+    cell = _cell(0.5)
+    reqs = cell.requests_at(8.0)
+    stack = stacks_by_name(["p2c+fcfs"])[0]
+    whole = run_stack(reqs, stack, profile=cell.profile, replicas=2, router=RouterConfig())
+    ttft = sorted(o.ttft_s for o in whole.outcomes)
+    slo_s = percentile(ttft, 50)  # half the requests are over it in the whole run
+    late = sum(t > slo_s for t in ttft)
+    just_below = run_stack(
+        reqs, stack, profile=cell.profile, replicas=2, abort=LateAbort(slo_s, late)
+    )
+    assert not just_below.aborted
+    assert just_below.outcomes == whole.outcomes
+    cut = run_stack(reqs, stack, profile=cell.profile, replicas=2, abort=LateAbort(slo_s, late - 1))
+    assert cut.aborted
+    assert cut.unfinished > 0
