@@ -17,14 +17,16 @@ import argparse
 import asyncio
 import collections
 import json
+import multiprocessing
 import os
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -110,12 +112,14 @@ def lag_quantile(before: dict[float, float], after: dict[float, float], q: float
     return float("inf")
 
 
-async def _well_formed(host: str, port: int, n: int | None, stop: asyncio.Event) -> list[float]:
-    """Sequential well-formed requests (n of them, or until `stop`); latency of each, or -1
+async def _well_formed(
+    host: str, port: int, n: int | None, stop: Callable[[], bool]
+) -> list[float]:
+    """Sequential well-formed requests (n of them, or until `stop()`); latency of each, or -1
     for a failure."""
     out: list[float] = []
     i = 0
-    while (n is None and not stop.is_set()) or (n is not None and i < n):
+    while (n is None and not stop()) or (n is not None and i < n):
         body = json.dumps({"model": "tiny", "prompt": f"hello {i}", "max_tokens": 2}).encode()
         data = (
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
@@ -127,6 +131,29 @@ async def _well_formed(host: str, port: int, n: int | None, stop: asyncio.Event)
         i += 1
         await asyncio.sleep(0.02)
     return out
+
+
+def _probe_main(host: str, port: int, n: int | None, stop: Any, out: Any) -> None:
+    """Entry of the normal client's own process (`_probe`): `_well_formed` until `stop` (a
+    multiprocessing event) is set, the latencies put on `out`."""
+    out.put(asyncio.run(_well_formed(host, port, n, stop.is_set)))
+
+
+async def _probe(host: str, port: int, n: int | None, stop: Any) -> list[float]:
+    """The normal client in a process of its own, as a real client is: sharing the flood's
+    event loop, its latency included the loop's own delays building and sending the flood
+    (10 MiB bodies), not the gateway's. Returns its latencies once it stopped."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_probe_main, args=(host, port, n, stop, out), daemon=True)
+    proc.start()
+    try:
+        latencies: list[float] = await asyncio.to_thread(out.get, True, 600.0)
+    finally:
+        await asyncio.to_thread(proc.join, 10.0)
+        if proc.is_alive():
+            proc.kill()
+    return latencies
 
 
 def benign_requests(n: int, models: Models) -> Iterator[Hostile]:
@@ -182,15 +209,15 @@ async def _run(
 ) -> FuzzResult:
     host, port = "127.0.0.1", int(url.rsplit(":", 1)[1])
     r = FuzzResult()
-    never = asyncio.Event()
-    r.quiet_latency_s = await _well_formed(host, port, quiet, never)
+    ctx = multiprocessing.get_context("spawn")
+    r.quiet_latency_s = await _probe(host, port, quiet, ctx.Event())
     before = await asyncio.to_thread(_scrape, url)
     r.rss_before = before[("process_resident_memory_bytes", ())]
     r.fds_before = before[("process_open_fds", ())]
-    stop = asyncio.Event()
+    stop = ctx.Event()
     start = time.monotonic()
     cpu_start = time.process_time()
-    normal = asyncio.create_task(_well_formed(host, port, None, stop))
+    normal = asyncio.create_task(_probe(host, port, None, stop))
     await _fuzz(host, port, n, seed, concurrency, r, benign, rate_per_s)
     stop.set()
     r.fuzz_latency_s = await normal

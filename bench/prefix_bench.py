@@ -105,6 +105,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "chat-long-40gb", "chat", "llama31-8b-a100", 4, 24.0, window_s=30.0,
         think_time_s=(60.0, 120.0), regime="reuse does not survive",
     ),
+    Scenario(
+        "chat-short-70b", "chat", "llama31-70b-fp8-h100x2", 4, 15.0, window_s=30.0,
+        think_time_s=(5.0, 60.0), regime="reuse survives (237k KV tokens per replica)",
+    ),
 )  # fmt: skip
 """The measured grid (loads chosen so P2C's p50 TTFT is ~1-10 s, `docs/results/prefix.md`)."""
 

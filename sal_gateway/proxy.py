@@ -49,7 +49,14 @@ import aiohttp
 from starlette.responses import Response
 
 from sal_core.beta import BetaEstimator
-from sal_core.policies import BackendView, LeastRequests, NoEligibleBackend, Policy, RouteRequest
+from sal_core.policies import (
+    PREFIX_AWARE_POLICIES,
+    BackendView,
+    LeastRequests,
+    NoEligibleBackend,
+    Policy,
+    RouteRequest,
+)
 from sal_gateway.accounting import Accounting
 from sal_gateway.config import ProxyConfig, RoutingConfig
 from sal_gateway.errors import GatewayError, NoBackendAvailable, UpstreamError, UpstreamTimeout
@@ -152,11 +159,12 @@ class Forwarder:
         policy: Policy | None = None,
         blocks: PromptBlocks | None = None,
         affinity_key: str | None = None,
-    ) -> str:
+    ) -> tuple[str, BackendView, Policy]:
         """The policy's choice for `model` among backends not in `exclude` (records metrics
-        and, when tracing, the decision on the request's span); `policy` replaces the
-        configured one (requests the gateway could not count). With `blocks`, each view
-        carries what its backend is predicted to hold of the prompt (`PrefixTracker`)."""
+        and, when tracing, the decision on the request's span): its URL, its view and the
+        policy that chose it. `policy` replaces the configured one (requests the gateway
+        could not count). With `blocks`, each view carries what its backend is predicted to
+        hold of the prompt (`PrefixTracker`)."""
         chosen = self._policy if policy is None else policy
         now_s = self._clock()
         views = _excluding(self._table.views(model, now_s), exclude)
@@ -215,7 +223,7 @@ class Forwarder:
                 view.cached_tokens,
                 view.cached_held_tokens,
             )
-        return decision.url
+        return decision.url, views[decision.index], chosen
 
     async def forward(
         self,
@@ -248,14 +256,23 @@ class Forwarder:
         body = raw_body if injected is None else injected
         for _attempt in range(self._routing.max_retries + 1):
             try:
-                url = self.select(model, prompt_tokens, tried, trace, policy, blocks, affinity_key)
+                url, view, chooser = self.select(
+                    model, prompt_tokens, tried, trace, policy, blocks, affinity_key
+                )
             except NoBackendAvailable:
                 if not failures:
                     raise
                 break
             if failures:  # this is a retry of what failed on the last backend tried
                 self._metrics.retries.labels(model=model, backend=failures[-1].url).inc()
-            ticket = self._table.route(model, url, prompt_tokens)
+            # A cache-aware policy chose by the tokens the backend still has to prefill and
+            # store: its books count the same until the engine's own numbers include the
+            # request (the paper's Eq. 2 counts whole prompts; so does the simulator).
+            queued_tokens, kv_tokens = prompt_tokens, prompt_tokens
+            if self._prefix is not None and chooser.name in PREFIX_AWARE_POLICIES:
+                queued_tokens -= view.cached_tokens
+                kv_tokens -= view.cached_held_tokens
+            ticket = self._table.route(model, url, queued_tokens, kv_tokens=kv_tokens)
             if blocks is not None and self._prefix is not None:
                 ticket.on_release = self._prefix.hold(model, url, blocks)
             ex = Exchange(

@@ -86,7 +86,11 @@ class BackendState:
     suspect: bool = False
     in_flight: int = 0
     routed_tokens_since_poll: int = 0
-    """Prompt tokens of routed requests that no snapshot is known to include yet."""
+    """Prefill tokens of routed requests that no snapshot is known to include yet (with a
+    prefix cache source: each request's tokens the replica was not predicted to hold)."""
+    routed_kv_tokens_since_poll: int = 0
+    """The new KV tokens those requests take (their prompts less the predicted cached tokens
+    a running request holds: `sal_core.policies.BackendView.cached_held_tokens`)."""
     prefill_pending_tokens: int = 0
     """Prompt tokens of in-flight requests still waiting for their first byte."""
     removed: bool = False
@@ -118,7 +122,7 @@ class BackendState:
     def free_kv_tokens(self) -> int:
         if self.stats is None:
             return 0
-        return max(0, self.stats.free_kv_tokens - self.routed_tokens_since_poll)
+        return max(0, self.stats.free_kv_tokens - self.routed_kv_tokens_since_poll)
 
     def queued_prefill_tokens(self) -> int:
         if self.stats is None:
@@ -155,6 +159,7 @@ class BackendState:
             if not ticket.acked:
                 ticket.acked = True
                 self.routed_tokens_since_poll -= ticket.prompt_tokens
+                self.routed_kv_tokens_since_poll -= ticket.kv_tokens
 
     def _written_at(self, engine_time_s: float, now_s: float, wall_s: float) -> float:
         """Our monotonic time at which the engine wrote a snapshot stamped `engine_time_s`,
@@ -176,14 +181,22 @@ class Ticket:
 
     backend: BackendState
     prompt_tokens: int
+    """Prefill tokens it adds to the backend's queue (the prompt, less what the backend was
+    predicted to have cached)."""
     sent_s: float = 0.0
     """Gateway time at which the request was routed."""
+    kv_tokens: int = -1
+    """New KV tokens it takes there (negative when built: the same as `prompt_tokens`)."""
     first_byte_seen: bool = False
     released: bool = False
     acked: bool = False
     """The engine's numbers include this request (or it ended): its tokens no longer count."""
     on_release: Callable[[], None] | None = None
     """Called once when the request ends (the prefix index's hold on its blocks)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_tokens < 0:
+            self.kv_tokens = self.prompt_tokens
 
 
 @dataclass(slots=True)
@@ -347,9 +360,15 @@ class StateTable:
         )
 
     def route(
-        self, model: str, url: str, prompt_tokens: int, sent_s: float | None = None
+        self,
+        model: str,
+        url: str,
+        prompt_tokens: int,
+        sent_s: float | None = None,
+        kv_tokens: int | None = None,
     ) -> Ticket:
-        """Account a request just routed to `url` at `sent_s` (default: `clock()`); raises
+        """Account a request just routed to `url` at `sent_s` (default: `clock()`): its
+        `prompt_tokens` of prefill and `kv_tokens` of new KV (default: the same); raises
         KeyError for an unknown backend. Send times are kept non-decreasing per backend
         (an earlier one is moved up to the last: later acknowledgement, never earlier)."""
         backend = self._pools[model][url]
@@ -360,10 +379,12 @@ class StateTable:
             sent_s = self.clock()
         if unacked and sent_s < unacked[-1].sent_s:
             sent_s = unacked[-1].sent_s
+        kv = prompt_tokens if kv_tokens is None else kv_tokens
         backend.in_flight += 1
         backend.routed_tokens_since_poll += prompt_tokens
+        backend.routed_kv_tokens_since_poll += kv
         backend.prefill_pending_tokens += prompt_tokens
-        ticket = Ticket(backend, prompt_tokens, sent_s)
+        ticket = Ticket(backend, prompt_tokens, sent_s, kv)
         unacked.append(ticket)
         return ticket
 
@@ -389,3 +410,4 @@ class StateTable:
         if not ticket.acked:
             ticket.acked = True
             backend.routed_tokens_since_poll -= ticket.prompt_tokens
+            backend.routed_kv_tokens_since_poll -= ticket.kv_tokens

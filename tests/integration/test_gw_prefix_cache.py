@@ -5,10 +5,12 @@ cache-aware SAL, while the paper's Eq. 2 sends it to the less loaded replica."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import httpx
 import pytest
 
+from sal_gateway.state import StateTable
 from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
 BS = 16
@@ -49,12 +51,22 @@ COLD = list(range(5000, 5000 + len(TURN2)))
 
 @pytest.mark.parametrize(("policy", "follows"), [("sal", True), ("sal_paper", False)])
 def test_a_follow_up_turn_goes_where_its_prefix_is_only_when_sal_is_cache_aware(
-    policy: str, follows: bool
+    policy: str, follows: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every hit counts (the default ignores matches under 1,024 tokens; these are 640).
     routing = {"policy": policy, "prefix_cache": "approximate", "prefix_min_match_tokens": 0}
     with gateway_rig(2, routing=routing) as rig:
         _cache_on(rig)
+        booked: list[tuple[str, int, int | None]] = []
+        route = StateTable.route
+
+        def recording_route(
+            self: StateTable, model: str, url: str, tokens: int, *args: Any, **kw: Any
+        ) -> Any:
+            booked.append((url, tokens, kw.get("kv_tokens")))
+            return route(self, model, url, tokens, *args, **kw)
+
+        monkeypatch.setattr(StateTable, "route", recording_route)
         first = _send(rig, TURN1)
         assert first == "a"  # both idle: the tie goes to the first replica
         # Replica a now has a queue: a cold prompt goes to b under either policy ...
@@ -64,6 +76,14 @@ def test_a_follow_up_turn_goes_where_its_prefix_is_only_when_sal_is_cache_aware(
         assert _send(rig, COLD) == "b"
         # ... but the follow-up turn's 640 cached tokens outweigh a's 600 queued ones.
         assert _send(rig, TURN2) == ("a" if follows else "b")
+        # Between polls the chosen replica's books hold what the decision assumed: the
+        # uncached tokens for cache-aware SAL, the whole prompt for the paper's Eq. 2.
+        url, queued, kv = booked[-1]
+        assert url == rig.served[0 if follows else 1].url
+        if follows:
+            assert (queued, kv) == (len(TURN2) - 40 * BS, len(TURN2))  # cached, not held
+        else:
+            assert (queued, kv) == (len(TURN2), len(TURN2))
         text = rig.metrics()
         predicted = metric(text, "sal_prefix_predicted_hit_tokens_total", backend=rig.served[0].url)
         lookups = metric(text, "sal_prefix_lookup_prompt_tokens_total", backend=rig.served[0].url)

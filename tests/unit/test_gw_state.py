@@ -369,3 +369,26 @@ def test_degraded_views_exclude_dead_suspect_and_long_frozen_backends() -> None:
     table = _table()
     _progress(table, A, 10.0, 100.0)
     assert [v.eligible for v in table.degraded_views("m", 20.5, 10.0)] == [False, False]
+
+
+def test_a_cached_prompt_books_its_uncached_prefill_and_its_new_kv_apart() -> None:
+    # Routed by a cache-aware policy: 1,000-token prompt, 600 predicted cached on A, 200 of
+    # them held by a running request. A's queue grows by the 400 tokens it must prefill and
+    # its free KV shrinks by the 800 it must store, until the engine's numbers include it.
+    clock = FakeClock(1.0)
+    table = _table(clock)
+    snap = _snap(0.0)
+    table.record_poll_success("m", A, snap, "stats", now_s=0.0, wall_s=0.0)
+    ticket = table.route("m", A, 400, kv_tokens=800)
+    view = table.views("m", 1.0)[0]
+    assert view.queued_prefill_tokens == snap.queued_prefill_tokens + 400
+    assert view.free_kv_tokens == snap.free_kv_tokens - 800
+    table.record_poll_success("m", A, _snap(2.0), "stats", now_s=2.0, wall_s=2.0)
+    view = table.views("m", 2.0)[0]
+    assert (view.queued_prefill_tokens, view.free_kv_tokens) == (
+        snap.queued_prefill_tokens,
+        snap.free_kv_tokens,
+    )
+    StateTable.release(ticket)  # acknowledged already: nothing is given back twice
+    backend = table.backends("m")[0]
+    assert (backend.routed_tokens_since_poll, backend.routed_kv_tokens_since_poll) == (0, 0)
