@@ -160,8 +160,7 @@ def serve(inp: IO[bytes], out: IO[bytes], counters: dict[str, Any]) -> None:
 def main() -> None:
     # One core per child: the gateway sizes the pool to the machine.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with contextlib.suppress(OSError):
-        os.nice(10)  # the event loop's small requests first when the CPU is contended
+    # Niceness: set by the parent (`worker_proc.WORKER_NICENESS`), once, as an absolute value.
     init = json.loads(sys.stdin.buffer.readline())
     from sal_gateway.tokenizer import load_model_tokenizer
 

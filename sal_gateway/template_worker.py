@@ -18,9 +18,7 @@ Protocol on stdin/stdout, one job at a time:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import resource
 import sys
 from typing import IO, Any
@@ -99,10 +97,8 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
 
 
 def main() -> None:
-    with contextlib.suppress(OSError):
-        # Start-up (a second of imports) and runaway templates alike must not take CPU from
-        # the gateway's event loop.
-        os.nice(10)
+    # Start-up (a second of imports) and runaway templates alike must not take CPU from the
+    # gateway's event loop: the parent sets this process's niceness (`worker_proc`).
     import transformers.utils.chat_template_utils  # noqa: F401  (import before the cap)
 
     limit = _address_space_bytes() + MEMORY_HEADROOM_BYTES

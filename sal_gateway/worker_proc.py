@@ -39,7 +39,9 @@ WORKER_NICENESS = 10
 """Children run at this niceness above the gateway's: the event loop serves every client, a
 child one large request, so on a busy host the loop gets the CPU first (measured: with the
 children at the loop's priority a flood of large hostile bodies raised well-formed p99
-latency 4.6x; docs/gateway.md, "Fuzz tier")."""
+latency 4.6x; docs/gateway.md, "Fuzz tier"). Set here, as an absolute value, and only here:
+a child that also niced itself raced this and often ended at 19, where a host busy with
+anything else (a vLLM engine beside the gateway) starved it for seconds."""
 _READ_LIMIT_BYTES = 128 * 1024 * 1024
 # The child imports this package: make it importable whatever the gateway's cwd.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)

@@ -28,6 +28,7 @@ from sal_gateway.endpoints import ENDPOINTS
 from sal_gateway.errors import TooManyRequests
 from sal_gateway.request_body import Endpoint, parse_body
 from sal_gateway.tokenizer import load_model_tokenizer
+from sal_gateway.worker_proc import WORKER_NICENESS
 from tests.gw_fake_support import MODEL, Rig, gateway_rig, wait_until
 
 pytestmark = pytest.mark.slow
@@ -214,3 +215,28 @@ def test_not_ready_while_no_request_worker_is_up(tiny_model_dir: Path) -> None:
         after = httpx.get(f"{rig.url}/ready", timeout=10.0)
         assert after.status_code == 200
         assert after.json()["workers_ready"] is True
+
+
+def test_request_workers_run_exactly_ten_nicer_than_the_gateway(tiny_model_dir: Path) -> None:
+    # Nicer, so the event loop (every client) gets the CPU before one large body; not at 19,
+    # where any busy neighbour (a vLLM engine on the same host) starves the workers for
+    # seconds. Each replaced worker gets the same.
+    async def scenario() -> None:
+        pool = BodyPool(_models(tiny_model_dir), size=1, max_waiting=4, retry_after_s=3)
+        pool.start()
+        try:
+            await _ready(pool, 1)
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            (pid,) = pool.pool.pids
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + WORKER_NICENESS)
+            os.kill(pid, signal.SIGKILL)
+            raw = json.dumps({"model": MODEL, "prompt": LONG_TEXT}).encode()
+            await pool.admit(raw, Endpoint.COMPLETIONS, 16)
+            (replacement,) = pool.pool.pids
+            assert replacement != pid
+            await asyncio.sleep(1.0)  # past the replacement's start-up
+            assert os.getpriority(os.PRIO_PROCESS, replacement) == min(19, mine + WORKER_NICENESS)
+        finally:
+            await pool.aclose()
+
+    asyncio.run(scenario())
