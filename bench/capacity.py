@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.cells import log, run_cells
 from engine_sim.data import AZURE_CHAT, AZURE_CODE, SHAREGPT_STATS, data_dir, missing_message
 
 HELP = "highest load each stack sustains within p95 TTFT/TPOT SLOs (bisection, 3 windows)"
@@ -318,7 +319,7 @@ def capacity_rows(cell: Cell, stacks: Sequence[Any], rel_tol: float) -> list[Row
         if at_base is None or at_base.aborted:  # its latencies are reported: run it whole
             at_base = probe(cell, stack, baseline_x, early_stop=False)
         wall_s = time.perf_counter() - started
-        _log(
+        log(
             f"{cell.workload} {cell.replicas}x{cell.profile} window {cell.window} "
             f"{stack.name}: capacity {capacity_x:.3f}x ({len(probes)} probes, {wall_s:.1f} s)"
         )
@@ -356,16 +357,12 @@ def _cell(task: tuple[str, str, int, int, Plan, list[str], Path]) -> list[Row]:
     else:
         reqs = window(workload_trace(workload, folder), index, plan.window_s)
         if len(reqs) < 2:
-            _log(f"{workload} window {index}: fewer than 2 requests in the window, left out")
+            log(f"{workload} window {index}: fewer than 2 requests in the window, left out")
             return []
         cell = Cell(workload, profile, replicas, index, reqs)
     stacks = for_workload(stacks_by_name(names), has_reuse=cell.has_reuse)
     stacks.sort(key=lambda s: s.name != BASELINE)  # stable: the baseline first, then in order
     return capacity_rows(cell, stacks, plan.rel_tol)
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def measure(
@@ -394,18 +391,7 @@ def measure(
         if partial is not None:
             partial.write_text(json.dumps(rows, indent=1))
 
-    if jobs <= 1:
-        for task in tasks:
-            keep(_cell(task))
-    else:
-        from multiprocessing import get_context
-
-        with get_context("spawn").Pool(jobs) as pool:
-            for cell_rows in pool.imap_unordered(_cell, tasks, chunksize=1):
-                keep(cell_rows)
-    order = {(t[0], t[1], t[3]): n for n, t in enumerate(tasks)}
-    rows.sort(key=lambda r: order[(r["workload"], r["profile"], r["window"])])
-    return rows
+    return run_cells(_cell, tasks, jobs, keep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -451,5 +437,5 @@ def run(args: argparse.Namespace) -> int:
     (args.out / "capacity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_report(rows, meta, args.out)
     (args.out / "capacity.partial.json").unlink(missing_ok=True)
-    _log(f"wrote {args.out}/capacity.md, capacity.json, capacity.png in {meta['wall_s']} s")
+    log(f"wrote {args.out}/capacity.md, capacity.json, capacity.png in {meta['wall_s']} s")
     return 0

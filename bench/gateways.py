@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cells import log, run_cells
 from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
 
 HELP = "routing quality and herding with K = 1, 2, 4, 8 independent gateways (simulator)"
@@ -153,25 +154,16 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
                 "routed_max_share": max(result.routed_per_replica) / max(1, len(reqs)),
             }
             rows.append(row)
-            _log(
+            log(
                 f"{workload} window {index} {router} K={k}: TTFT p95 {s.ttft_p95_s:.3f}s "
                 f"unseen {row['unseen_share']:.3f} ({time.perf_counter() - started:.1f}s)"
             )
     return rows
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def measure(plan: Plan, folder: Path, jobs: int) -> list[Row]:
     tasks = [(w, i, plan, folder) for w in plan.workloads for i in range(plan.windows)]
-    if jobs <= 1:
-        return [row for task in tasks for row in _cell(task)]
-    from multiprocessing import get_context
-
-    with get_context("spawn").Pool(jobs) as pool:
-        return [row for rows in pool.map(_cell, tasks, chunksize=1) for row in rows]
+    return run_cells(_cell, tasks, jobs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,5 +193,5 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gateways.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_report(rows, meta, args.out)
-    _log(f"wrote {args.out}/gateways.md, gateways.json, gateways.png in {meta['wall_s']} s")
+    log(f"wrote {args.out}/gateways.md, gateways.json, gateways.png in {meta['wall_s']} s")
     return 0

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.cells import log, run_cells
 from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
 from sal_core.policies import SAL, BackendView, Decision, RouteRequest
 
@@ -169,25 +170,16 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
                 "tgt_p50_s": s.tgt_p50_s,
             }
         )
-        _log(
+        log(
             f"{workload} window {index} {knob}={value:g} {router}: TTFT p95 "
             f"{s.ttft_p95_s:.3f}s ({time.perf_counter() - started:.1f}s)"
         )
     return rows
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def measure(plan: Plan, folder: Path, jobs: int) -> list[Row]:
     tasks = [(w, i, plan, folder) for w in plan.workloads for i in range(plan.windows)]
-    if jobs <= 1:
-        return [row for task in tasks for row in _cell(task)]
-    from multiprocessing import get_context
-
-    with get_context("spawn").Pool(jobs) as pool:
-        return [row for rows in pool.map(_cell, tasks, chunksize=1) for row in rows]
+    return run_cells(_cell, tasks, jobs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,7 +210,5 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sensitivity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     write_report(rows, meta, args.out)
-    _log(
-        f"wrote {args.out}/sensitivity.md, sensitivity.json, sensitivity.png in {meta['wall_s']} s"
-    )
+    log(f"wrote {args.out}/sensitivity.md, sensitivity.json, sensitivity.png in {meta['wall_s']} s")
     return 0

@@ -1,0 +1,58 @@
+"""Running a benchmark's independent cells, in this process or in worker processes.
+
+A *cell* is one picklable task (a workload window, a fleet) that returns its rows. The
+sweeps (`capacity`, `gateways`, `sensitivity`) differ in their cells, not in how the cells
+run: `run_cells` is that shared part.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+Task = TypeVar("Task")
+Row = dict[str, Any]
+
+
+def log(message: str) -> None:
+    """One progress line on stderr, flushed (stdout carries the tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_cells(
+    cell: Callable[[Task], list[Row]],
+    tasks: Sequence[Task],
+    jobs: int,
+    on_rows: Callable[[list[Row]], None] | None = None,
+) -> list[Row]:
+    """Every task's rows, in the order of `tasks`.
+
+    With `jobs` > 1 the cells run in that many spawned processes (`cell` must then be a
+    module-level function and the tasks picklable). `on_rows`, if given, is called with
+    each cell's rows as soon as that cell is done (in completion order when `jobs` > 1), so
+    that a caller can save the partial results of a run that may be cut short.
+    """
+    done: dict[int, list[Row]] = {}
+
+    def keep(n: int, cell_rows: list[Row]) -> None:
+        done[n] = cell_rows
+        if on_rows is not None:
+            on_rows(cell_rows)
+
+    if jobs <= 1:
+        for n, task in enumerate(tasks):
+            keep(n, cell(task))
+    else:
+        from multiprocessing import get_context
+
+        numbered = [(n, cell, task) for n, task in enumerate(tasks)]
+        with get_context("spawn").Pool(jobs) as pool:
+            for n, cell_rows in pool.imap_unordered(_numbered, numbered, chunksize=1):
+                keep(n, cell_rows)
+    return [row for n in sorted(done) for row in done[n]]
+
+
+def _numbered(item: tuple[int, Callable[[Any], list[Row]], Any]) -> tuple[int, list[Row]]:
+    n, cell, task = item
+    return n, cell(task)
