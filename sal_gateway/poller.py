@@ -355,7 +355,7 @@ class Poller:
     def _record_failure(self, key: Key, outcome: PollOutcome) -> None:
         model, url = key
         self._metrics.poll_errors.labels(model, url, outcome.source).inc()
-        if self._table.record_poll_failure(model, url):
+        if self._table.record_poll_failure(model, url, outcome.received_s):
             self._metrics.ejections.labels(model=model, backend=url).inc()
             logger.warning("ejected backend %s (model %s): %s", url, model, outcome.message)
         else:

@@ -39,6 +39,7 @@ Other failures:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -255,10 +256,14 @@ class Forwarder:
         injected = with_usage_requested(inbound.body, raw_body) if ask else None
         body = raw_body if injected is None else injected
         for _attempt in range(self._routing.max_retries + 1):
+            choose = functools.partial(
+                self.select, model, prompt_tokens, tried, trace, policy, blocks, affinity_key
+            )
             try:
-                url, view, chooser = self.select(
-                    model, prompt_tokens, tried, trace, policy, blocks, affinity_key
-                )
+                try:
+                    url, view, chooser = choose()
+                except NoBackendAvailable:
+                    url, view, chooser = await self._choose_after_catch_up(model, choose)
             except NoBackendAvailable:
                 if not failures:
                     raise
@@ -267,7 +272,7 @@ class Forwarder:
                 self._metrics.retries.labels(model=model, backend=failures[-1].url).inc()
             # A cache-aware policy chose by the tokens the backend still has to prefill and
             # store: its books count the same until the engine's own numbers include the
-            # request (the paper's Eq. 2 counts whole prompts; so does the simulator).
+            # request, as the simulator's do (the paper's Eq. 2 counts whole prompts).
             queued_tokens, kv_tokens = prompt_tokens, prompt_tokens
             if self._prefix is not None and chooser.name in PREFIX_AWARE_POLICIES:
                 queued_tokens -= view.cached_tokens
@@ -302,6 +307,36 @@ class Forwarder:
         if all(f.header_timeout for f in failures):
             raise UpstreamTimeout(message)
         raise UpstreamError(message)
+
+    async def _choose_after_catch_up(
+        self, model: str, choose: Callable[[], tuple[str, BackendView, Policy]]
+    ) -> tuple[str, BackendView, Policy]:
+        """`choose()` found no backend. If that is because the pollers have not run for more
+        than a poll round (``routing.poll_interval_s + poll_timeout_s``: the gateway's own
+        process was not scheduled, as in a CPU-throttled container or a paused VM, and every
+        backend only *looks* stale), wait at most one more round for their next outcomes and
+        choose again after each; a request that arrived during the stall is then served
+        instead of getting a 503. Otherwise, or if still none, raise `NoBackendAvailable`."""
+        round_s = self._routing.poll_interval_s + self._routing.poll_timeout_s
+        started_s = self._clock()
+        seen_s = self._table.last_outcome_s(model)
+        if seen_s is None or started_s - seen_s <= round_s:
+            raise NoBackendAvailable(f"no eligible backend for model {model!r}")
+        logger.warning(
+            "routing state of model %s is %.1f s old (the gateway was not scheduled?): "
+            "waiting up to %.1f s for the pollers",
+            model,
+            started_s - seen_s,
+            round_s,
+        )
+        while self._clock() - started_s < round_s:
+            await asyncio.sleep(min(self._routing.poll_interval_s, 0.05))
+            latest_s = self._table.last_outcome_s(model)
+            if latest_s is not None and latest_s > seen_s:
+                seen_s = latest_s
+                with contextlib.suppress(NoBackendAvailable):
+                    return choose()
+        raise NoBackendAvailable(f"no eligible backend for model {model!r}")
 
     async def _post_watched(
         self, url: str, body: bytes, headers: Mapping[str, str], ex: Exchange

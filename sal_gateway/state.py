@@ -79,6 +79,8 @@ class BackendState:
     source: str = "none"
     last_ok_s: float | None = None
     """Gateway time of the last successful poll (its receipt)."""
+    last_outcome_s: float | None = None
+    """Gateway time of the last poll outcome recorded, good or failed (its receipt)."""
     progress_s: float | None = None
     """Gateway time at which the engine last showed progress (`shows_progress`)."""
     consecutive_failures: int = 0
@@ -281,16 +283,20 @@ class StateTable:
         backend.stats = stats
         backend.source = source
         backend.last_ok_s = now_s
+        backend.last_outcome_s = now_s
         backend.consecutive_failures = 0
         backend.ejected = False
         backend.suspect = False
         return readmitted
 
-    def record_poll_failure(self, model: str, url: str) -> bool:
-        """A failed poll; returns True when this failure ejected the backend."""
+    def record_poll_failure(self, model: str, url: str, now_s: float | None = None) -> bool:
+        """A failed poll (received at `now_s`); returns True when this failure ejected the
+        backend."""
         backend = self.get(model, url)
         if backend is None:
             return False
+        if now_s is not None:
+            backend.last_outcome_s = now_s
         backend.consecutive_failures += 1
         if not backend.ejected and backend.consecutive_failures >= self.eject_after_failures:
             backend.ejected = True
@@ -302,6 +308,14 @@ class StateTable:
         backend = self.get(model, url)
         if backend is not None:
             backend.suspect = True
+
+    def last_outcome_s(self, model: str) -> float | None:
+        """When the newest poll outcome (good or failed) of any of `model`'s backends was
+        received; None before the first. Far behind the clock, it says the pollers have not
+        been running (the gateway's own process was not scheduled), not that the backends
+        are down: those polls fail, and their failures are outcomes too."""
+        times = [b.last_outcome_s for b in self._pools.get(model, {}).values()]
+        return max((t for t in times if t is not None), default=None)
 
     # --- the request path ---------------------------------------------------------------
 

@@ -178,8 +178,11 @@ def engine_core_pid(api_server_pid: int) -> int:
 
 def replica_counters(url: str) -> dict[str, float]:
     """vLLM's own counters from a replica's ``/metrics``: finished requests by reason
-    (``success_<reason>``), ``prompt_tokens`` and ``generation_tokens``."""
-    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    (``success_<reason>``), ``prompt_tokens``, ``generation_tokens``, and ``finished_long``:
+    requests the engine ran to their end with more than 100 generated tokens (its
+    ``request_generation_tokens`` histogram, which client aborts do not enter)."""
+    # Generous: a starved replica renders its /metrics late (seconds on a busy 2-core box).
+    text = httpx.get(f"{url}/metrics", timeout=30.0).text
     out: dict[str, float] = collections.defaultdict(float)
     for line in text.splitlines():
         if line.startswith("vllm:request_success_total{"):
@@ -189,6 +192,10 @@ def replica_counters(url: str) -> dict[str, float]:
             out["prompt_tokens"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:generation_tokens_total{"):
             out["generation_tokens"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:request_generation_tokens_count{"):
+            out["finished_long"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:request_generation_tokens_bucket{") and 'le="100.0"' in line:
+            out["finished_long"] -= float(line.rsplit(" ", 1)[1])
     return dict(out)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,8 +122,28 @@ def run_gateway(
     env: Mapping[str, str] | None = None,
     command: Sequence[str] = GATEWAY_CMD,
 ) -> Iterator[str]:
+    """`run_gateway_process`, yielding only the base URL."""
+    with run_gateway_process(
+        config, wait_ready=wait_ready, timeout_s=timeout_s, env=env, command=command
+    ) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def run_gateway_process(
+    config: Mapping[str, Any],
+    *,
+    wait_ready: bool = True,
+    timeout_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    command: Sequence[str] = GATEWAY_CMD,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``<command> serve --config <file>`` with ``config`` written to a temporary file;
-    yield ``http://127.0.0.1:<port>`` once ``/health`` (and ``/ready``) answer 200."""
+    yield ``(http://127.0.0.1:<port>, the process)`` once ``/health`` (and ``/ready``) answer
+    200.
+
+    The gateway's log lives in the temporary folder; with ``SAL_TEST_KEEP_LOGS=<dir>`` set it
+    is copied there as ``gateway-<port>.log`` when the gateway stops (for a failure's story)."""
     port = config["listen"]["port"]
     base_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="sal-gw-test-") as tmp:
@@ -141,9 +162,13 @@ def run_gateway(
             wait_ok(f"{base_url}/health", proc, log_path, timeout_s)
             if wait_ready:
                 wait_ok(f"{base_url}/ready", proc, log_path, timeout_s)
-            yield base_url
+            yield base_url, proc
         finally:
             stop_process(proc)
+            keep = os.environ.get("SAL_TEST_KEEP_LOGS")
+            if keep:
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(log_path, Path(keep) / f"gateway-{port}.log")
 
 
 def scrape_metrics(base_url: str) -> dict[MetricKey, float]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -43,7 +44,7 @@ from bench.faultload import (
 )
 from bench.processes import PortAllocator
 from tests.fault_support import FakeProc, LoadRun, background_load, fake_procs, measured, wait_for
-from tests.gateway_support import gateway_config, run_gateway
+from tests.gateway_support import gateway_config, run_gateway, run_gateway_process
 
 pytestmark = pytest.mark.slow
 
@@ -397,3 +398,46 @@ def test_flapping_replica(fleet: Fleet) -> None:
     assert all(o.kind == "error_event" and o.backend == "a" for o in broken), broken
     assert fleet.healthy(a)
     measured("flapping replica (fake)", readmit_s=readmit_s, **kinds)
+
+
+def test_requests_that_arrive_while_the_gateway_is_stalled_are_served(tmp_path: Path) -> None:
+    """The gateway's own process is not scheduled for 3 s (SIGSTOP: as a CPU-throttled
+    container or a paused VM) while clients keep sending. When it runs again every backend
+    looks stale (its pollers did not run either: `stale_after_s` 1 s, degraded routing off),
+    so the requests that queued meanwhile would get 503s; the gateway waits at most one poll
+    round for its pollers and serves them."""
+    ports = PortAllocator(21000, 21999)
+    fake_ports = [ports.take(), ports.take()]
+    gw_port = ports.take()
+    routing = {**ROUTING, "degraded_max_progress_age_s": 0.0}
+    with ExitStack() as stack:
+        fakes = stack.enter_context(fake_procs(tmp_path, fake_ports, *FAKE_ARGS))
+        config = gateway_config(
+            gw_port,
+            [f.url for f in fakes],
+            tokenizer=None,
+            extra={"routing": routing, "proxy": PROXY, "log_level": "warning"},
+        )
+        url, proc = stack.enter_context(run_gateway_process(config))
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=10.0).status_code == 200
+        answers: list[httpx.Response] = []
+
+        def client() -> None:
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30.0))
+
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            senders = [threading.Thread(target=client) for _ in range(8)]
+            for sender in senders:
+                sender.start()
+                time.sleep(0.2)
+            time.sleep(1.5)  # 3 s stalled in all, the requests waiting in its socket queue
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        for sender in senders:
+            sender.join(timeout=30.0)
+        assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+        assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
+        served = parse_metrics(httpx.get(f"{url}/metrics", timeout=5.0).text)
+        assert metric_sum(served, "sal_requests_total", status="503") == 0

@@ -392,3 +392,17 @@ def test_a_cached_prompt_books_its_uncached_prefill_and_its_new_kv_apart() -> No
     StateTable.release(ticket)  # acknowledged already: nothing is given back twice
     backend = table.backends("m")[0]
     assert (backend.routed_tokens_since_poll, backend.routed_kv_tokens_since_poll) == (0, 0)
+
+
+def test_last_outcome_counts_failed_polls_too() -> None:
+    # What tells "the pollers have not run" (the gateway was stalled) from "the backends are
+    # down": failed polls are outcomes as fresh as good ones.
+    table = _table()
+    assert table.last_outcome_s("m") is None
+    table.record_poll_success("m", A, default_stats(), "stats", 10.0)
+    assert table.last_outcome_s("m") == 10.0
+    table.record_poll_failure("m", B, 12.5)
+    assert table.last_outcome_s("m") == 12.5
+    table.record_poll_failure("m", A)  # no time given: not an outcome it can place
+    assert table.last_outcome_s("m") == 12.5
+    assert table.last_outcome_s("other") is None
