@@ -84,6 +84,13 @@ def backoff_s(interval_s: float, failures: int, max_s: float, rng: random.Random
     return min(cap, interval_s * 2.0 ** min(failures - 1, 30)) * rng.uniform(0.5, 1.0)
 
 
+def longest_wait_s(interval_s: float, failures: int, max_s: float) -> float:
+    """The most `backoff_s` can return for these arguments (its jitter at its top)."""
+    if failures <= 0:
+        return interval_s * (1.0 + _JITTER)
+    return min(max(max_s, interval_s), interval_s * 2.0 ** min(failures - 1, 30))
+
+
 class _RateLimitedLog:
     """Logs a repeating failure at most once per `LOG_EVERY_S` per key (main loop only)."""
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from sal_gateway.poller import LOG_EVERY_S, _RateLimitedLog, backoff_s
+from sal_gateway.poller import LOG_EVERY_S, _RateLimitedLog, backoff_s, longest_wait_s
 
 
 def test_backoff_grows_from_the_interval_and_is_capped() -> None:
@@ -43,3 +43,17 @@ def test_repeated_failures_are_logged_once_per_period(caplog: pytest.LogCaptureF
         "other reason, logged at once",
         "timed out again (99 similar since last logged)",
     ]
+
+
+@pytest.mark.parametrize("failures", [0, 1, 2, 5, 40])
+@pytest.mark.parametrize(("interval_s", "max_s"), [(0.1, 2.0), (5.0, 1.0), (0.05, 0.05)])
+def test_longest_wait_bounds_every_backoff_and_is_reached(
+    failures: int, interval_s: float, max_s: float
+) -> None:
+    # The forwarder judges "the pollers are not running" by it: a wait the poller really
+    # takes must never look overdue, and the bound must not be loose enough to hide a stall.
+    rng = random.Random(failures)
+    waits = [backoff_s(interval_s, failures, max_s, rng) for _ in range(2000)]
+    bound = longest_wait_s(interval_s, failures, max_s)
+    assert max(waits) <= bound
+    assert max(waits) > 0.95 * bound
