@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -44,7 +45,7 @@ from bench.faultload import (
 )
 from bench.processes import PortAllocator
 from tests.fault_support import FakeProc, LoadRun, background_load, fake_procs, measured, wait_for
-from tests.gateway_support import gateway_config, run_gateway, run_gateway_process
+from tests.gateway_support import gateway_config, run_gateway_process
 
 pytestmark = pytest.mark.slow
 
@@ -83,21 +84,28 @@ class Fleet:
         return metric_sum(self.metrics(), "sal_backend_healthy", backend=fake.url) == 1.0
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+def _start(
+    stack: ExitStack, tmp_path: Path, routing: dict[str, Any]
+) -> tuple[Fleet, subprocess.Popen[bytes]]:
+    """Two fake backends and the gateway (its process too), stopped when `stack` closes."""
     ports = PortAllocator(21000, 21999)
     fake_ports = [ports.take(), ports.take()]
     gw_port = ports.take()
+    fakes = stack.enter_context(fake_procs(tmp_path, fake_ports, *FAKE_ARGS))
+    config = gateway_config(
+        gw_port,
+        [f.url for f in fakes],
+        tokenizer=None,
+        extra={"routing": routing, "proxy": PROXY, "log_level": "warning"},
+    )
+    url, proc = stack.enter_context(run_gateway_process(config))
+    return Fleet(url, fakes), proc
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
     with ExitStack() as stack:
-        fakes = stack.enter_context(fake_procs(tmp_path, fake_ports, *FAKE_ARGS))
-        config = gateway_config(
-            gw_port,
-            [f.url for f in fakes],
-            tokenizer=None,
-            extra={"routing": ROUTING, "proxy": PROXY, "log_level": "warning"},
-        )
-        url = stack.enter_context(run_gateway(config))
-        yield Fleet(url, fakes)
+        yield _start(stack, tmp_path, ROUTING)[0]
 
 
 def _load(fleet: Fleet, prefix: str) -> tuple[TrackedLoad, MetricsTimeline]:
@@ -406,19 +414,9 @@ def test_requests_that_arrive_while_the_gateway_is_stalled_are_served(tmp_path: 
     looks stale (its pollers did not run either: `stale_after_s` 1 s, degraded routing off),
     so the requests that queued meanwhile would get 503s; the gateway waits at most one poll
     round for its pollers and serves them."""
-    ports = PortAllocator(21000, 21999)
-    fake_ports = [ports.take(), ports.take()]
-    gw_port = ports.take()
-    routing = {**ROUTING, "degraded_max_progress_age_s": 0.0}
     with ExitStack() as stack:
-        fakes = stack.enter_context(fake_procs(tmp_path, fake_ports, *FAKE_ARGS))
-        config = gateway_config(
-            gw_port,
-            [f.url for f in fakes],
-            tokenizer=None,
-            extra={"routing": routing, "proxy": PROXY, "log_level": "warning"},
-        )
-        url, proc = stack.enter_context(run_gateway_process(config))
+        stalled, proc = _start(stack, tmp_path, {**ROUTING, "degraded_max_progress_age_s": 0.0})
+        url = stalled.gateway
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=10.0).status_code == 200
         answers: list[httpx.Response] = []
