@@ -29,7 +29,7 @@ import random
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,7 +39,7 @@ from sal_core.stats import ReplicaStats
 from sal_gateway.config import RoutingConfig
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.poll_fetch import PollFailed, StateFetcher, make_poll_session
-from sal_gateway.state import StateTable
+from sal_gateway.state import BackendState, StateTable
 
 logger = logging.getLogger("sal_gateway.poller")
 
@@ -89,6 +89,26 @@ def longest_wait_s(interval_s: float, failures: int, max_s: float) -> float:
     if failures <= 0:
         return interval_s * (1.0 + _JITTER)
     return min(max(max_s, interval_s), interval_s * 2.0 ** min(failures - 1, 30))
+
+
+def pollers_behind(backends: Iterable[BackendState], now_s: float, r: RoutingConfig) -> bool:
+    """Whether some polled backend in `backends` is past the time its next poll outcome was
+    due (its wait, `longest_wait_s`, which grows while it keeps failing, plus a poll timeout
+    and a poll interval of slack): its poller has not been running (the gateway's own process
+    was not scheduled), so that backend may only *look* stale. One is enough: after a stall,
+    a replica that is really down has its failing poll (timed out meanwhile) booked at once,
+    before the healthy replicas' next polls come back. A fleet that is down is not behind:
+    its failing polls keep coming, less often, each on time. Never-polled backends do not
+    count."""
+    for backend in backends:
+        if backend.last_outcome_s is None:
+            continue
+        wait_s = longest_wait_s(
+            r.poll_interval_s, backend.consecutive_failures, r.poll_backoff_max_s
+        )
+        if now_s > backend.last_outcome_s + wait_s + r.poll_timeout_s + r.poll_interval_s:
+            return True
+    return False
 
 
 class _RateLimitedLog:

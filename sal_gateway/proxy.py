@@ -63,7 +63,7 @@ from sal_gateway.config import ProxyConfig, RoutingConfig
 from sal_gateway.errors import GatewayError, NoBackendAvailable, UpstreamError, UpstreamTimeout
 from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.metrics import GatewayMetrics
-from sal_gateway.poller import longest_wait_s
+from sal_gateway.poller import pollers_behind
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.relay import Exchange, Head, is_event_stream, relay_answer, sse_error_event
 from sal_gateway.request_body import InboundRequest
@@ -312,9 +312,9 @@ class Forwarder:
     async def _choose_after_catch_up(
         self, model: str, choose: Callable[[], tuple[str, BackendView, Policy]]
     ) -> tuple[str, BackendView, Policy]:
-        """`choose()` found no backend. If that is because the pollers have not been running
-        (`_pollers_behind`: the gateway's own process was not scheduled, as in a
-        CPU-throttled container or a paused VM, and every backend only *looks* stale), wait
+        """`choose()` found no backend. If that may be because pollers have not been running
+        (`poller.pollers_behind`: the gateway's own process was not scheduled, as in a
+        CPU-throttled container or a paused VM, and a backend only *looks* stale), wait
         at most one poll round (``routing.poll_interval_s + poll_timeout_s``) for their next
         outcomes and choose again after each; a request that arrived during the stall is
         then served instead of getting a 503. Otherwise, or if still none, raise
@@ -322,13 +322,13 @@ class Forwarder:
         round_s = self._routing.poll_interval_s + self._routing.poll_timeout_s
         started_s = self._clock()
         seen_s = self._table.last_outcome_s(model)
-        if seen_s is None or not self._pollers_behind(model, started_s):
+        behind = pollers_behind(self._table.backends(model), started_s, self._routing)
+        if seen_s is None or not behind:
             raise NoBackendAvailable(f"no eligible backend for model {model!r}")
         logger.warning(
-            "routing state of model %s is %.1f s old (the gateway was not scheduled?): "
+            "polls of model %s are overdue (the gateway was not scheduled?): "
             "waiting up to %.1f s for the pollers",
             model,
-            started_s - seen_s,
             round_s,
         )
         while self._clock() - started_s < round_s:
@@ -339,24 +339,6 @@ class Forwarder:
                 with contextlib.suppress(NoBackendAvailable):
                     return choose()
         raise NoBackendAvailable(f"no eligible backend for model {model!r}")
-
-    def _pollers_behind(self, model: str, now_s: float) -> bool:
-        """Whether every polled backend of `model` is past the time its next poll outcome
-        was due (its wait, `poller.longest_wait_s`, which grows while it keeps failing, plus
-        a poll timeout and a poll interval of slack): the pollers have not been running.
-        A fleet that is down is not behind: its failing polls keep coming, less often."""
-        r = self._routing
-        polled = False
-        for backend in self._table.backends(model):
-            if backend.last_outcome_s is None:
-                continue
-            polled = True
-            wait_s = longest_wait_s(
-                r.poll_interval_s, backend.consecutive_failures, r.poll_backoff_max_s
-            )
-            if now_s <= backend.last_outcome_s + wait_s + r.poll_timeout_s + r.poll_interval_s:
-                return False
-        return polled
 
     async def _post_watched(
         self, url: str, body: bytes, headers: Mapping[str, str], ex: Exchange

@@ -408,17 +408,36 @@ def test_flapping_replica(fleet: Fleet) -> None:
     measured("flapping replica (fake)", readmit_s=readmit_s, **kinds)
 
 
-def test_requests_that_arrive_while_the_gateway_is_stalled_are_served(tmp_path: Path) -> None:
+def _served(fleet: Fleet, fake: FakeProc) -> float:
+    return metric_sum(fleet.metrics(), "sal_requests_total", backend=fake.url, status="200")
+
+
+@pytest.mark.parametrize("peer", ["healthy", "frozen"])
+def test_requests_that_arrive_while_the_gateway_is_stalled_are_served(
+    tmp_path: Path, peer: str
+) -> None:
     """The gateway's own process is not scheduled for 3 s (SIGSTOP: as a CPU-throttled
     container or a paused VM) while clients keep sending. When it runs again every backend
     looks stale (its pollers did not run either: `stale_after_s` 1 s, degraded routing off),
     so the requests that queued meanwhile would get 503s; the gateway waits at most one poll
-    round for its pollers and serves them."""
+    round for its pollers and serves them. With the other backend frozen (SIGSTOP, ejected
+    before the stall), its poll that timed out during the stall is booked first, on time: the
+    live backend alone being overdue is enough to wait (a CI run lost a request so, with a
+    frozen vLLM API server beside a healthy one)."""
     with ExitStack() as stack:
-        stalled, proc = _start(stack, tmp_path, {**ROUTING, "degraded_max_progress_age_s": 0.0})
+        # A frozen backend's polls back off at most one interval: one is nearly always in
+        # flight, so it times out (and is booked, on time) as soon as the gateway runs again.
+        routing = {**ROUTING, "degraded_max_progress_age_s": 0.0, "poll_backoff_max_s": 0.1}
+        stalled, proc = _start(stack, tmp_path, routing)
         url = stalled.gateway
+        frozen, live = stalled.fakes
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=10.0).status_code == 200
+        if peer == "frozen":
+            frozen.signal(signal.SIGSTOP)
+            wait_for(lambda: not stalled.healthy(frozen), what="the frozen backend ejected")
+            time.sleep(1.0)  # its failing polls on their backoff
+        live_before = _served(stalled, live)
         answers: list[httpx.Response] = []
 
         def client() -> None:
@@ -439,3 +458,5 @@ def test_requests_that_arrive_while_the_gateway_is_stalled_are_served(tmp_path: 
         assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
         served = parse_metrics(httpx.get(f"{url}/metrics", timeout=5.0).text)
         assert metric_sum(served, "sal_requests_total", status="503") == 0
+        if peer == "frozen":  # all by the live backend
+            assert _served(stalled, live) - live_before == 8

@@ -501,14 +501,38 @@ def _one_long_stream_per_replica(fleet: VllmFleet) -> list[LongStream]:
     raise AssertionError(f"no placement of one stream per replica in {HOLD_ATTEMPTS} tries")
 
 
+def _freeze_engine_mid_stream(replica: LocalReplica) -> int | None:
+    """Freeze `replica`'s engine (SIGSTOP on EngineCore) if its one request is unfinished
+    then, and return the engine's PID (the caller resumes it); None (not frozen) if the
+    request already ran to its end: on a quiet box 4,000 tokens of the tiny model take
+    seconds, and the API server may have written them all into the socket."""
+    assert replica.proc is not None
+    engine = engine_core_pid(replica.proc.pid)
+    os.kill(engine, signal.SIGSTOP)
+    if replica_busy(replica.base_url) == 1:
+        return engine
+    os.kill(engine, signal.SIGCONT)
+    return None
+
+
 def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) -> None:
     # One long stream on each replica, so that both look equally loaded and new requests
     # keep going to the victim until the gateway notices it froze.
-    streams = _one_long_stream_per_replica(fleet)
     victim = fleet.replicas[0]
     assert victim.proc is not None
-    counters_before = [replica_counters(r.base_url) for r in fleet.replicas]
-    gw_before = fleet.metrics()
+    for _ in range(HOLD_ATTEMPTS):
+        streams = _one_long_stream_per_replica(fleet)
+        counters_before = [replica_counters(r.base_url) for r in fleet.replicas]
+        gw_before = fleet.metrics()
+        # The victim's stream must be unfinished when its API server stops (else the client
+        # gets all of it): its engine is held from here until then, a moment.
+        engine = _freeze_engine_mid_stream(victim)
+        if engine is not None:
+            break
+        for stream in streams:
+            stream.close()
+    else:
+        raise AssertionError(f"the victim's stream ran to its end in {HOLD_ATTEMPTS} tries")
     cancels_before = metric_sum(gw_before, "sal_upstream_cancels_total")
     idle_label = {"backend": victim.base_url, "kind": "idle"}
     header_label = {"backend": victim.base_url, "kind": "header"}
@@ -516,6 +540,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     with background_load(*_load(fleet, "api-stop-")) as run:
         stopped_at = time.monotonic()
         os.kill(victim.proc.pid, signal.SIGSTOP)  # the API server; its engine runs on
+        os.kill(engine, signal.SIGCONT)
         seen_at_stop = [len(s.events) for s in streams]
         try:
             wait_for(

@@ -1,4 +1,5 @@
-"""The poller's pure pieces: backoff after failures, rate-limited logging."""
+"""The poller's pure pieces: backoff after failures, rate-limited logging, and when the
+pollers themselves are behind (the gateway was not scheduled)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import random
 
 import pytest
 
-from sal_gateway.poller import LOG_EVERY_S, _RateLimitedLog, backoff_s, longest_wait_s
+from sal_gateway.config import RoutingConfig
+from sal_gateway.poller import (
+    LOG_EVERY_S,
+    _RateLimitedLog,
+    backoff_s,
+    longest_wait_s,
+    pollers_behind,
+)
+from sal_gateway.state import BackendState
 
 
 def test_backoff_grows_from_the_interval_and_is_capped() -> None:
@@ -57,3 +66,33 @@ def test_longest_wait_bounds_every_backoff_and_is_reached(
     bound = longest_wait_s(interval_s, failures, max_s)
     assert max(waits) <= bound
     assert max(waits) > 0.95 * bound
+
+
+ROUTING = RoutingConfig(poll_interval_s=0.1, poll_timeout_s=0.5, poll_backoff_max_s=2.0)
+"""A healthy backend's next outcome is due within 0.11 + 0.5 + 0.1 s of its last; a failing
+one's within its backoff (at most 2 s) + 0.6 s."""
+
+
+def _backend(url: str, last_outcome_s: float | None, failures: int = 0) -> BackendState:
+    return BackendState(url, last_outcome_s=last_outcome_s, consecutive_failures=failures)
+
+
+def test_pollers_are_not_behind_while_outcomes_come_on_time() -> None:
+    healthy = [_backend("http://a:1", 10.0), _backend("http://b:1", 10.05)]
+    assert not pollers_behind(healthy, 10.6, ROUTING)
+    # A fleet that is down: failing polls come less often, each on its backoff. Its requests
+    # get their 503 at once instead of waiting for a poll round.
+    down = [_backend("http://a:1", 10.0, failures=9), _backend("http://b:1", 9.0, failures=9)]
+    assert not pollers_behind(down, 11.5, ROUTING)
+    assert not pollers_behind([_backend("http://a:1", None)], 100.0, ROUTING)  # never polled
+
+
+def test_one_overdue_poller_is_behind_even_beside_a_fresh_failure() -> None:
+    # The gateway was not scheduled for 3 s: the frozen replica's poll, in flight meanwhile,
+    # timed out and was booked the moment it ran again, but the healthy replica's next poll
+    # has not come back yet. Its state only looks stale (a CI run answered 503 so).
+    frozen = _backend("http://a:1", 13.0, failures=5)
+    healthy = _backend("http://b:1", 10.0)
+    assert pollers_behind([frozen, healthy], 13.0, ROUTING)
+    assert not pollers_behind([frozen], 13.0, ROUTING)
+    assert pollers_behind([_backend("http://a:1", 10.0, failures=5)], 12.7, ROUTING)
