@@ -10,13 +10,17 @@ content: an API server whose engine froze keeps sending them.
 
 One watch per relayed stream, driven by the event loop's timers (no task, no per-chunk
 timer): `touch()` per content chunk is one float store; the timer fires at most once per
-`recheck_s` while the stream is silent.
+`recheck_s` while the stream is silent. A check held up by a stall of the gateway's own
+process waits `stall_guard.GRACE_S` more (at most the bound), once per silence, so that
+content which arrived during the stall is relayed (and counted) first.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+
+from sal_gateway.stall_guard import GRACE_S, held_up_by_stall
 
 RECHECK_S = 1.0
 """While a silent stream's replica is live, how often it is judged again."""
@@ -46,6 +50,9 @@ class IdleWatch:
         """The relay is handing a chunk to the client: a slow client's silence, not the
         backend's (the backend's bytes wait in the connection's buffer meanwhile)."""
         self._timer: asyncio.TimerHandle | None = None
+        self._due_s = 0.0
+        self._extended = False
+        """This silence's check was held up by a stall once already."""
 
     def start(self) -> None:
         self._schedule(self.last_content_s + self._idle_s - self._loop.time())
@@ -62,15 +69,21 @@ class IdleWatch:
             self._timer = None
 
     def _schedule(self, delay_s: float) -> None:
-        self._timer = self._loop.call_later(max(0.0, delay_s), self._check)
+        self._due_s = self._loop.time() + max(0.0, delay_s)
+        self._timer = self._loop.call_at(self._due_s, self._check)
 
     def _check(self) -> None:
         self._timer = None
-        silent_s = self._loop.time() - self.last_content_s
+        now_s = self._loop.time()
+        silent_s = now_s - self.last_content_s
         if self.sending:
             self._schedule(self._idle_s)
         elif silent_s < self._idle_s:
+            self._extended = False  # content came: a new silence
             self._schedule(self._idle_s - silent_s)
+        elif not self._extended and held_up_by_stall(self._due_s, now_s):
+            self._extended = True  # what the stall's I/O woke runs first
+            self._schedule(min(GRACE_S, self._idle_s))
         elif self._live is not None and self._live():
             self._schedule(min(RECHECK_S, self._idle_s))
         else:

@@ -67,6 +67,7 @@ from sal_gateway.poller import pollers_behind
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.relay import Exchange, Head, is_event_stream, relay_answer, sse_error_event
 from sal_gateway.request_body import InboundRequest
+from sal_gateway.stall_guard import stall_tolerant_timeout
 from sal_gateway.state import StateTable
 from sal_gateway.trace_hooks import NO_TRACE, RequestTrace
 from sal_gateway.upstream import RETRYABLE, make_session, upstream_headers
@@ -464,7 +465,7 @@ class Forwarder:
             if not stream:
                 return await self._post_watched(url, body, headers, ex)
             # Leaving this block by timeout cancels the request: aiohttp closes its connection.
-            async with asyncio.timeout(self._proxy.stream_header_timeout_s):
+            async with stall_tolerant_timeout(self._proxy.stream_header_timeout_s):
                 return await self._session.post(
                     url, data=body, headers=headers, timeout=self._stream_timeout
                 )

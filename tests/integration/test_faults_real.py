@@ -26,7 +26,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -460,3 +460,45 @@ def test_requests_that_arrive_while_the_gateway_is_stalled_are_served(
         assert metric_sum(served, "sal_requests_total", status="503") == 0
         if peer == "frozen":  # all by the live backend
             assert _served(stalled, live) - live_before == 8
+
+
+def test_streams_that_flow_across_a_gateway_stall_are_not_cut(tmp_path: Path) -> None:
+    """The gateway's process is not scheduled for 3 s, longer than the idle bound (2 s),
+    while 4 streams run (3 s each: 60 tokens at 50 ms) and 4 more are sent. The backends
+    keep writing meanwhile; when the gateway runs again their bytes are in its sockets
+    beside the expired idle timers. Every stream ends normally with all its tokens, none is
+    cut (`stall_guard`: before it, the streams open during the stall ended with error
+    events at its end), and the ones sent during the stall are served."""
+    tokens = 60
+    with ExitStack() as stack:
+        stalled, proc = _start(stack, tmp_path, ROUTING)
+
+        async def scenario() -> list[Outcome]:
+            async with httpx.AsyncClient(timeout=30.0) as client:
+
+                def stream(n: int) -> Awaitable[Outcome]:
+                    return tracked_stream(
+                        client,
+                        stalled.gateway,
+                        model=MODEL,
+                        request_id=f"s{n}",
+                        max_tokens=tokens,
+                        hang_s=30.0,
+                    )
+
+                running = [asyncio.ensure_future(stream(n)) for n in range(4)]
+                await asyncio.sleep(0.5)  # well inside the streams
+                proc.send_signal(signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(0.5)
+                    sent_during = [asyncio.ensure_future(stream(n)) for n in range(4, 8)]
+                    await asyncio.sleep(2.5)
+                finally:
+                    proc.send_signal(signal.SIGCONT)
+                return list(await asyncio.gather(*running, *sent_during))
+
+        outcomes = asyncio.run(scenario())
+        assert [o.kind for o in outcomes] == ["ok"] * 8, outcomes
+        served = stalled.metrics()
+        assert metric_sum(served, "sal_stream_timeouts_total") == 0
+        assert metric_sum(served, "sal_retries_total") == 0
