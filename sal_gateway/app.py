@@ -118,6 +118,7 @@ class Runtime:
         await self.poller.stop_all()
         if self.kv_events is not None:
             await self.kv_events.stop()
+        await self.forwarder.aclose()
         await self.session.close()
 
     def start_backend(self, model: ModelConfig, url: str) -> None:

@@ -27,6 +27,12 @@ Other failures:
 * Connect failure before any response byte (refused, reset, connect timeout, closed before the
   headers): the backend is marked suspect and the request goes to the next best backend, at
   most ``routing.max_retries`` times; then 502.
+* Except the keep-alive race (`upstream.is_stale_connection`): a request that went out on a
+  pooled connection the backend closed or reset before answering never reached its handler,
+  and the backend is not at fault. The request is chosen again (the backend stays a
+  candidate, not suspect) and sent on a new connection; once per request, not counted in
+  ``routing.max_retries``. Marking a healthy last replica suspect for it had turned one
+  closed connection into a 502 and 503s until the next poll.
 * A backend's HTTP error (4xx *and* 5xx) is passed through with its status and body, never
   retried: generation may have happened.
 * The request body is forwarded byte for byte, except that a stream whose client did not ask
@@ -70,7 +76,7 @@ from sal_gateway.request_body import InboundRequest
 from sal_gateway.stall_guard import stall_tolerant_timeout
 from sal_gateway.state import StateTable
 from sal_gateway.trace_hooks import NO_TRACE, RequestTrace
-from sal_gateway.upstream import RETRYABLE, make_session, upstream_headers
+from sal_gateway.upstream import RETRYABLE, is_stale_connection, make_session, upstream_headers
 from sal_gateway.usage import with_usage_requested
 
 __all__ = ["Forwarder", "make_session", "sse_error_event", "upstream_headers"]
@@ -91,11 +97,20 @@ class _Retry(Exception):
     """An attempt failed before the client saw anything and before the backend could have
     generated: try the next backend (its connection is closed already)."""
 
-    def __init__(self, url: str, cause: Exception, *, header_timeout: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        cause: Exception,
+        *,
+        header_timeout: bool = False,
+        stale_connection: bool = False,
+    ) -> None:
         super().__init__(f"{url}: {cause}")
         self.url = url
         self.cause = cause
         self.header_timeout = header_timeout
+        self.stale_connection = stale_connection
+        """The keep-alive race (`upstream.is_stale_connection`): not the backend's fault."""
 
 
 def _excluding(views: list[BackendView], exclude: set[str]) -> list[BackendView]:
@@ -128,6 +143,9 @@ class Forwarder:
         prefix: PrefixTracker | None = None,
     ) -> None:
         self._session = session
+        self._fresh: aiohttp.ClientSession | None = None
+        """One connection per request, for the retry after a stale pooled connection
+        (created on first use, closed by `aclose`)."""
         self._prefix = prefix
         self._table = table
         self._policy = policy
@@ -247,7 +265,9 @@ class Forwarder:
         Retries (at most ``routing.max_retries``, each on a backend not tried yet) only what
         cannot have generated anything and what the client has seen nothing of: connect
         failures, streams whose headers timed out, and streams whose backend failed after
-        its headers but before any body byte (`_first_body`). Each failed connection is
+        its headers but before any body byte (`_first_body`); a pooled connection the
+        backend closed as the request went out is retried once more, on a new connection,
+        without holding it against the backend. Each failed connection is
         closed first, so vLLM aborts what it had accepted. All attempts failed: 502, or 504
         when every one was a header timeout."""
         model = inbound.model
@@ -257,7 +277,9 @@ class Forwarder:
         ask = inbound.stream and inbound.ask_stream_usage
         injected = with_usage_requested(inbound.body, raw_body) if ask else None
         body = raw_body if injected is None else injected
-        for _attempt in range(self._routing.max_retries + 1):
+        attempts = 0
+        fresh = False  # the next attempt opens a connection of its own
+        while attempts <= self._routing.max_retries:
             choose = functools.partial(
                 self.select, model, prompt_tokens, tried, trace, policy, blocks, affinity_key
             )
@@ -292,6 +314,7 @@ class Forwarder:
             )
             ex.span = trace.upstream(url, inbound.upstream_path)
             ex.idle_s = self._proxy.stream_idle_timeout_s
+            ex.fresh_connection = fresh
             if self._proxy.stream_idle_spares_live_engines:
                 ex.live = functools.partial(self._is_live, model, url)
             try:
@@ -299,9 +322,17 @@ class Forwarder:
             except _Retry as failure:
                 ex.span.end(None, failure.cause)
                 StateTable.release(ex.ticket)
+                failures.append(failure)
+                if failure.stale_connection and not fresh:
+                    # The backend closed an idle pooled connection as the request went out
+                    # on it: nothing reached its handler and it is not at fault. Once per
+                    # request, choose again (it stays a candidate) on a new connection.
+                    fresh = True
+                    continue
+                fresh = False
                 self._table.mark_suspect(model, url)
                 tried.add(url)
-                failures.append(failure)
+                attempts += 1
         message = (
             f"could not reach a backend for model {model!r} after {len(tried)} attempt(s): "
             f"{failures[-1].cause}"
@@ -349,7 +380,13 @@ class Forwarder:
         (`ex.live`, judged after `ex.idle_s` and every second after) is given up on: the
         connection is closed (vLLM aborts the request when it resumes) and `_ReplicaStalled`
         raised, which `forward` retries elsewhere."""
-        post = self._session.post(url, data=body, headers=headers, timeout=self._total_timeout)
+        post = self._session_for(ex).post(
+            url,
+            data=body,
+            headers=headers,
+            timeout=self._total_timeout,
+            trace_request_ctx=ex.connection,
+        )
         if ex.live is None:
             return await post
         task = asyncio.ensure_future(post)
@@ -369,6 +406,20 @@ class Forwarder:
         finally:
             watch.stop()
 
+    def _session_for(self, ex: Exchange) -> aiohttp.ClientSession:
+        """The pooled session, or for `ex.fresh_connection` one that opens a new connection."""
+        if not ex.fresh_connection:
+            return self._session
+        if self._fresh is None:
+            self._fresh = make_session(self._proxy, fresh=True)
+        return self._fresh
+
+    async def aclose(self) -> None:
+        """Close the connections the forwarder opened itself (not the pooled session's)."""
+        if self._fresh is not None:
+            await self._fresh.close()
+            self._fresh = None
+
     def _is_live(self, model: str, url: str) -> bool:
         return self._table.is_live(model, url, self._clock())
 
@@ -383,6 +434,14 @@ class Forwarder:
                 url + inbound.upstream_path, body, ex.span.inject(headers), inbound.stream, ex
             )
         except RETRYABLE as exc:
+            if is_stale_connection(exc, ex.connection):
+                logger.warning(
+                    "%s closed a pooled connection as a request went out on it (%s): "
+                    "retrying on a new connection",
+                    url,
+                    type(exc).__name__,
+                )
+                raise _Retry(url, exc, stale_connection=True) from None
             logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
             raise _Retry(url, exc) from None
         except _ReplicaStalled:
@@ -466,8 +525,12 @@ class Forwarder:
                 return await self._post_watched(url, body, headers, ex)
             # Leaving this block by timeout cancels the request: aiohttp closes its connection.
             async with stall_tolerant_timeout(self._proxy.stream_header_timeout_s):
-                return await self._session.post(
-                    url, data=body, headers=headers, timeout=self._stream_timeout
+                return await self._session_for(ex).post(
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=self._stream_timeout,
+                    trace_request_ctx=ex.connection,
                 )
         except RETRYABLE:
             raise

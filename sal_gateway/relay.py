@@ -38,7 +38,7 @@ from sal_gateway.errors import error_body as _error_body
 from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.state import Ticket
 from sal_gateway.trace_hooks import NO_SPAN, UpstreamSpan
-from sal_gateway.upstream import response_headers
+from sal_gateway.upstream import ConnectionUse, response_headers
 from sal_gateway.usage import (
     USAGE_TAIL_BYTES,
     UsageStripper,
@@ -77,6 +77,10 @@ class Exchange:
     every silence of `idle_s` ends the stream."""
     headers_at_s: float = 0.0
     """Event-loop time at which the response headers arrived (a stream's silence starts)."""
+    connection: ConnectionUse = field(default_factory=ConnectionUse)
+    """Whether the request went out on a reused pooled connection (set by the session)."""
+    fresh_connection: bool = False
+    """Send on a new connection of its own (the retry after a stale pooled one)."""
 
 
 @dataclass(frozen=True, slots=True)
