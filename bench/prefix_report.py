@@ -214,8 +214,8 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
     lines = [
         "# Prefix-cache-aware routing (simulator)",
         "",
-        f"Regenerate: `{doc['command']}` (about 30 min on this shared 2-core machine; the "
-        f"last invocation took {doc['wall_s'] / 60:.0f} min). Every run has "
+        f"Regenerate: `{doc['command']}` (the last invocation took "
+        f"{doc['wall_s'] / 60:.0f} min on this shared 2-core machine). Every run has "
         "vLLM's prefix caching on in every replica; prefix-aware routers (sal, "
         "prefix_affinity, llm_d, cache_aware) read the router's approximate index of the "
         "prompt blocks it routed, the others see no cache. Cells: median over 3 seeds / "

@@ -13,6 +13,7 @@ from sal_core.policies import (
     DEFAULT_MIN_MATCH_TOKENS,
     LLM_D_WEIGHTS,
     POLICIES,
+    SAL,
     BackendView,
     NoEligibleBackend,
     PolicySettings,
@@ -184,6 +185,7 @@ def test_sal_select_is_the_argmin_of_sal_load(
             return 0, 0
         return b.cached_tokens, b.cached_held_tokens
 
+    cmax = max(counted(pool[i])[0] for i in eligible)
     loads = {
         i: sal_load(
             request.prompt_tokens,
@@ -193,13 +195,18 @@ def test_sal_select_is_the_argmin_of_sal_load(
             request.beta,
             cached_tokens=counted(pool[i])[0],
             cached_held_tokens=counted(pool[i])[1],
+            in_flight=pool[i].in_flight,
+            best_cached_tokens=cmax,
         )
         for i in eligible
     }
     expected = min(eligible, key=lambda i: (loads[i], pool[i].in_flight, i))
-    decision = make_policy("sal").select(request, pool)
+    policy = make_policy("sal")
+    decision = policy.select(request, pool)
     assert decision.index == expected
     assert decision.score == pytest.approx(loads[expected])
+    assert isinstance(policy, SAL)
+    assert dict(policy.loads(request, pool)) == pytest.approx(loads)
 
 
 def _cache_view(url: str, **fields: int) -> BackendView:
@@ -255,6 +262,37 @@ def test_sal_ignores_matches_shorter_than_the_configured_minimum() -> None:
 def test_policy_settings_reject_a_negative_minimum() -> None:
     with pytest.raises(ValueError, match="min_match_tokens"):
         PolicySettings(min_match_tokens=-1)
+
+
+def test_sal_charges_a_move_off_the_cache_for_the_wait_it_imposes_on_in_flight_requests() -> None:
+    # a holds 6,000 of the 6,500-token conversation but has 7,000 tokens queued; b holds
+    # none of it and has nothing queued, only decoders in flight. The request's own wait is
+    # shorter on b (6.5 steps vs 7.5), but there it prefills 6,000 tokens a would skip, in
+    # the same steps as b's 4 in-flight requests: each waits 6 steps longer.
+    request = RouteRequest(prompt_tokens=6_500)
+    a = _cache_view("a", queued_prefill_tokens=7_000, in_flight=6, cached_tokens=6_000)
+    b = _cache_view("b", in_flight=4)
+    decision = make_policy("sal").select(request, [a, b])
+    assert decision.url == "a"
+    assert decision.score == pytest.approx(7.5)
+    policy = make_policy("sal")
+    assert isinstance(policy, SAL)
+    assert dict(policy.loads(request, [a, b])) == pytest.approx({0: 7.5, 1: 6.5 + 4 * 6.0})
+    # An idle replica delays no one: the shorter wait wins, as in Eq. 2.
+    assert make_policy("sal").select(request, [a, replace(b, in_flight=0)]).url == "b"
+    # Without a cache (or a match under the minimum) the term is 0: the paper's formula.
+    short = replace(a, cached_tokens=512)
+    assert make_policy("sal").select(request, [short, b]).score == pytest.approx(6.5)
+    assert make_policy("sal_paper").select(request, [a, b]).url == "b"
+
+
+def test_sal_near_weighs_the_pool_as_sal_does() -> None:
+    # The in-flight term needs the whole pool: a near-best choice must not lose it.
+    request = RouteRequest(prompt_tokens=6_500)
+    a = _cache_view("a", queued_prefill_tokens=7_000, in_flight=6, cached_tokens=6_000)
+    b = _cache_view("b", in_flight=4)
+    picks = {make_policy("sal_near", seed=s).select(request, [a, b]).url for s in range(20)}
+    assert picks == {"a"}
 
 
 def test_sal_spreads_a_hot_prefix_once_its_replica_queues_up() -> None:
