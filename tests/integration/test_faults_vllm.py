@@ -501,16 +501,18 @@ def _one_long_stream_per_replica(fleet: VllmFleet) -> list[LongStream]:
     raise AssertionError(f"no placement of one stream per replica in {HOLD_ATTEMPTS} tries")
 
 
-def _freeze_engine_mid_stream(replica: LocalReplica) -> int | None:
+def _freeze_engine_mid_stream(replica: LocalReplica) -> tuple[int, float] | None:
     """Freeze `replica`'s engine (SIGSTOP on EngineCore) if its one request is unfinished
-    then, and return the engine's PID (the caller resumes it); None (not frozen) if the
-    request already ran to its end: on a quiet box 4,000 tokens of the tiny model take
-    seconds, and the API server may have written them all into the socket."""
+    then, and return the engine's PID (the caller resumes it) and when it froze (monotonic);
+    None (not frozen) if the request already ran to its end: on a quiet box 4,000 tokens of
+    the tiny model take seconds, and the API server may have written them all into the
+    socket."""
     assert replica.proc is not None
     engine = engine_core_pid(replica.proc.pid)
+    frozen_at = time.monotonic()
     os.kill(engine, signal.SIGSTOP)
     if replica_busy(replica.base_url) == 1:
-        return engine
+        return engine, frozen_at
     os.kill(engine, signal.SIGCONT)
     return None
 
@@ -526,13 +528,14 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
         gw_before = fleet.metrics()
         # The victim's stream must be unfinished when its API server stops (else the client
         # gets all of it): its engine is held from here until then, a moment.
-        engine = _freeze_engine_mid_stream(victim)
-        if engine is not None:
+        frozen = _freeze_engine_mid_stream(victim)
+        if frozen is not None:
             break
         for stream in streams:
             stream.close()
     else:
         raise AssertionError(f"the victim's stream ran to its end in {HOLD_ATTEMPTS} tries")
+    engine, engine_frozen_at = frozen
     cancels_before = metric_sum(gw_before, "sal_upstream_cancels_total")
     idle_label = {"backend": victim.base_url, "kind": "idle"}
     header_label = {"backend": victim.base_url, "kind": "header"}
@@ -562,14 +565,21 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     assert broken.ended_with_error_event, (len(broken.events), broken.events[-3:])
     assert broken.ended_at is not None
     # When the gateway cut it (its own counter, scraped every 0.1 s): the idle bound after
-    # the last byte it received. Bytes the API server wrote into the socket before it stopped
-    # are still relayed first, at the client's pace (the idle clock pauses while a slow
-    # client holds reading back), so on a loaded box the cut comes a few seconds later.
+    # the last byte it received, so no earlier than the bound after the last token the client
+    # got (the engine froze before the API server stopped: on a loaded box the two can be
+    # seconds apart, so the stop is not the start of the silence). And no later than the
+    # bound after the stop plus the time to relay the bytes the API server wrote into the
+    # socket before it stopped, at the client's pace (the idle clock pauses while a slow
+    # client holds reading back).
     cut_after_s = run.timeline.first_time(
         stopped_at, "sal_stream_timeouts_total", idle_before + 1, **idle_label
     )
     assert cut_after_s is not None
-    assert IDLE_TIMEOUT_S - 1.0 < cut_after_s < IDLE_TIMEOUT_S + 10.0
+    last_token_at = broken.arrivals[-3]  # before the error event and [DONE]
+    silent_before_cut_s = stopped_at + cut_after_s - last_token_at
+    assert silent_before_cut_s > IDLE_TIMEOUT_S - 1.0, (silent_before_cut_s, cut_after_s)
+    assert cut_after_s < IDLE_TIMEOUT_S + 10.0
+    freeze_to_stop_s = stopped_at - engine_frozen_at
     relayed_after_stop = len(broken.events) - 2 - seen_at_stop[0]
     # New requests are all answered: the ones sent to the frozen server move after the
     # stream-header timeout.
@@ -604,6 +614,8 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
         "API server SIGSTOP (vLLM)",
         avoid_s=avoid_s,
         idle_cut_after_s=cut_after_s,
+        idle_cut_after_last_token_s=silent_before_cut_s,
+        engine_frozen_before_stop_s=freeze_to_stop_s,
         client_saw_error_after_s=broken.ended_at - stopped_at,
         events_relayed_after_stop=relayed_after_stop,
         moved_after_header_timeout=len(moved),
