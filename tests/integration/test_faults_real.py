@@ -261,7 +261,9 @@ def test_sigstop_whole_replica_then_sigcont(fleet: Fleet) -> None:
     # header timeout and answered by b.
     frozen = [o for o in run.outcomes if stopped_at <= o.sent_s < resumed_at]
     assert frozen
-    assert all(o.kind == "ok" and o.backend == "b" for o in frozen), frozen
+    # Only the offenders in the message (the whole list is truncated in a failure report).
+    wrong = [o for o in frozen if not (o.kind == "ok" and o.backend == "b")]
+    assert not wrong, (stopped_at, resumed_at, wrong)
     assert max(o.latency_s for o in frozen) < HEADER_TIMEOUT_S + 3.0
     avoid_s = run.timeline.avoid_time_s(a.url, stopped_at, resumed_at)
     assert avoid_s <= AVOID_BOUND_S
