@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine_patch import tiny_model
 from sal_core.stats import parse_stats
 from tests.integration.test_engine_replica import (
     LONG_TOKENS,
@@ -39,16 +40,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TAIL_PORT = 20014
 BACKLOG_WAIT_S = 1.5
-LONG_BLOCKER = ("blocker", 64, 0.0, 4000)
-"""Twice `test_engine_replica`'s blocker (the tiny model's whole 4,096-token context): seen
-finishing before the queue was built on a loaded 2-core box."""
+LONG_CONTEXT = 16384
+LONG_BLOCKER = ("blocker", 64, 0.0, LONG_CONTEXT - 384)
+"""Four times `test_engine_replica`'s blocker, on a copy of the tiny model with a 16k context:
+4,000 tokens were seen finishing before the queue and the backlog wait were done, three tries
+in a row, on a quiet 2-core box (and once on a loaded one). Aborted once the queue stands."""
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 16k-token context (room for `LONG_BLOCKER`)."""
+    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama-16k"), max_model_len=LONG_CONTEXT)
 
 
 def tail_replica(model_dir: Path, section: dict[str, float]) -> Iterator[str]:
     extra = (
         *PRESSURE_ARGS,
         "--max-model-len",
-        "4096",
+        str(LONG_CONTEXT),
         "--additional-config",
         json.dumps({"larry_tail": section}),
     )
@@ -57,13 +66,13 @@ def tail_replica(model_dir: Path, section: dict[str, float]) -> Iterator[str]:
 
 
 @pytest.fixture
-def unpinned_url(tiny_model_dir: Path) -> Iterator[str]:
-    yield from tail_replica(tiny_model_dir, {"margin_s": 1000.0, "headroom": 0.0})
+def unpinned_url(long_model_dir: Path) -> Iterator[str]:
+    yield from tail_replica(long_model_dir, {"margin_s": 1000.0, "headroom": 0.0})
 
 
 @pytest.fixture
-def pinned_url(tiny_model_dir: Path) -> Iterator[str]:
-    yield from tail_replica(tiny_model_dir, {"margin_s": 0.0, "slack": 0.0, "headroom": 0.0})
+def pinned_url(long_model_dir: Path) -> Iterator[str]:
+    yield from tail_replica(long_model_dir, {"margin_s": 0.0, "slack": 0.0, "headroom": 0.0})
 
 
 def states(url: str, settle_s: float) -> dict[int, int]:
