@@ -15,6 +15,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"))
 
 
+LONG_CONTEXT = 16384
+"""`long_model_dir`'s context, in tokens."""
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 16k-token context: room for a blocker request that decodes
+    for as long as a test on a starved box needs to queue prompts behind it (the test
+    aborts it then). 4,000 tokens, the default context's worth, were seen finishing first."""
+    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama-16k"), max_model_len=LONG_CONTEXT)
+
+
 REPO = Path(__file__).resolve().parents[1]
 """The root of the checkout under test."""
 DATA_DIR = REPO / "data"

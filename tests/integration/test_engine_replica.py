@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from sal_core.stats import ReplicaStats, parse_stats
+from tests.conftest import LONG_CONTEXT
 from tests.vllm_support import run_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -39,33 +40,41 @@ FCFS_PORT = 20011
 DP_PORT = 20012
 LARRY_ONE_API_PORT = 20013
 # The tiny model's whole context (4,096 positions), so the blocker can decode for long.
-PRESSURE_ARGS = ("--served-model-name", MODEL, "--max-num-seqs", "1", "--max-model-len", "4096")
+PRESSURE_ARGS = (
+    "--served-model-name",
+    MODEL,
+    "--max-num-seqs",
+    "1",
+    "--max-model-len",
+    str(LONG_CONTEXT),
+)
+"""For replicas of `long_model_dir` (room for `BLOCKER`)."""
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$")
 
 
 @pytest.fixture(scope="class")
-def larry_url(tiny_model_dir: Path) -> Iterator[str]:
+def larry_url(long_model_dir: Path) -> Iterator[str]:
     extra = (*PRESSURE_ARGS, "--api-server-count", "2")
-    with run_replica(tiny_model_dir, LARRY_PORT, scheduler="larry", extra_args=extra) as url:
+    with run_replica(long_model_dir, LARRY_PORT, scheduler="larry", extra_args=extra) as url:
         yield url
 
 
 @pytest.fixture
-def larry_one_api_url(tiny_model_dir: Path) -> Iterator[str]:
+def larry_one_api_url(long_model_dir: Path) -> Iterator[str]:
     # One API server for the ordering test: with two, requests are spread over both
     # processes, and one that is busy relaying a stream on these 2 shared cores delays the
     # requests that landed on it, scrambling their arrival order at the engine (seen in CI:
     # short3 reached the engine before short0-2).
     with run_replica(
-        tiny_model_dir, LARRY_ONE_API_PORT, scheduler="larry", extra_args=PRESSURE_ARGS
+        long_model_dir, LARRY_ONE_API_PORT, scheduler="larry", extra_args=PRESSURE_ARGS
     ) as url:
         yield url
 
 
 @pytest.fixture
-def fcfs_url(tiny_model_dir: Path) -> Iterator[str]:
-    with run_replica(tiny_model_dir, FCFS_PORT, scheduler="fcfs", extra_args=PRESSURE_ARGS) as url:
+def fcfs_url(long_model_dir: Path) -> Iterator[str]:
+    with run_replica(long_model_dir, FCFS_PORT, scheduler="fcfs", extra_args=PRESSURE_ARGS) as url:
         yield url
 
 
@@ -159,9 +168,10 @@ async def first_token_order(
 # (the waiting count and the queued prefill tokens after each admission), not from when first
 # tokens reach the client: on 2 busy cores the API server relays streams in bursts.
 LONG_TOKENS, SHORT_TOKENS = 1200, 16
-BLOCKER = ("blocker", 64, 0.0, 4000)
-"""Decodes until the test aborts it (4,000 tokens take far longer than queueing seven on an
-idle box; on a starved one the queueing is retried, `QUEUE_ATTEMPTS`)."""
+BLOCKER = ("blocker", 64, 0.0, LONG_CONTEXT - 384)
+"""Decodes until the test aborts it, on `long_model_dir`'s 16k context: 4,000 tokens (the
+default context's worth) were seen ending before seven prompts were queued, three tries in a
+row, in a CI run; on a starved box the queueing is still retried, `QUEUE_ATTEMPTS`."""
 QUEUE_ATTEMPTS = 3
 QUEUE = [
     *((f"long{i}", LONG_TOKENS, 0.0, 100) for i in range(3)),

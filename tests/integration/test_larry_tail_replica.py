@@ -24,7 +24,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_patch import tiny_model
 from sal_core.stats import parse_stats
 from tests.integration.test_engine_replica import (
     LONG_TOKENS,
@@ -40,27 +39,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TAIL_PORT = 20014
 BACKLOG_WAIT_S = 1.5
-LONG_CONTEXT = 16384
-LONG_BLOCKER = ("blocker", 64, 0.0, LONG_CONTEXT - 384)
-"""Four times `test_engine_replica`'s blocker, on a copy of the tiny model with a 16k context:
-4,000 tokens were seen finishing before the queue and the backlog wait were done, three tries
-in a row, on a quiet 2-core box (and once on a loaded one). Aborted once the queue stands."""
-
-
-@pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a 16k-token context (room for `LONG_BLOCKER`)."""
-    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama-16k"), max_model_len=LONG_CONTEXT)
 
 
 def tail_replica(model_dir: Path, section: dict[str, float]) -> Iterator[str]:
-    extra = (
-        *PRESSURE_ARGS,
-        "--max-model-len",
-        str(LONG_CONTEXT),
-        "--additional-config",
-        json.dumps({"larry_tail": section}),
-    )
+    extra = (*PRESSURE_ARGS, "--additional-config", json.dumps({"larry_tail": section}))
     with run_replica(model_dir, TAIL_PORT, scheduler="larry_tail", extra_args=extra) as url:
         yield url
 
@@ -76,7 +58,7 @@ def pinned_url(long_model_dir: Path) -> Iterator[str]:
 
 
 def states(url: str, settle_s: float) -> dict[int, int]:
-    samples = admission_samples(url, settle_s=settle_s, blocker_request=LONG_BLOCKER)
+    samples = admission_samples(url, settle_s=settle_s)
     seen = dict(asyncio.run(samples))
     assert any(0 < w < QUEUED for w in seen), seen
     return seen
