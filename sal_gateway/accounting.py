@@ -5,6 +5,8 @@ exchange went, and it keeps the books:
 
 * the state-table ticket (in-flight count, pending prompt tokens) is marked at the first
   body byte and released exactly once, when the exchange ends (`finish`), on every path;
+  content of a 200 answer marks its backend alive (`StateTable.relayed`, for degraded
+  routing);
 * metrics: time to first byte, generation time, requests by status, stream errors and
   timeouts, upstream connections the gateway closed (``sal_upstream_cancels_total``);
 * ``usage`` (prompt and completion tokens) of answered requests feeds the model's
@@ -17,7 +19,7 @@ exchange, never blocking.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import aiohttp
 
@@ -40,7 +42,9 @@ class Accounting:
         betas: Mapping[str, BetaEstimator],
         policy_name: str,
         stream_idle_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
         self._metrics = metrics
         self._betas = betas
         self._policy_name = policy_name
@@ -52,6 +56,10 @@ class Accounting:
         self._metrics.series(ex.model, ex.backend, self._policy_name).ttft.observe(
             time.perf_counter() - ex.start_s
         )
+
+    def content(self, ex: Exchange) -> None:
+        """Content of a 200 answer reached us: the backend serves (`StateTable.relayed`)."""
+        StateTable.relayed(ex.ticket, self._clock())
 
     def upstream_cancelled(self, ex: Exchange, reason: str) -> None:
         """The gateway closed the connection of an unfinished upstream exchange."""

@@ -159,8 +159,9 @@ class RoutingConfig:
     degraded_max_progress_age_s: float = 10.0
     """When no backend is eligible, route anyway (by fewest in-flight requests) to the
     backends whose engine showed progress within this many seconds and not more than
-    ``stale_after_s`` later than the freshest one, instead of answering 503: a busy host can
-    make every backend look a little stale at once. Counted in
+    ``stale_after_s`` later than the freshest one, or whose content reached the gateway
+    within ``stale_after_s`` (ejected or not: it serves), instead of answering 503: a busy
+    host can make every backend look a little stale at once. Counted in
     ``sal_degraded_routes_total``. 0 disables (503 as soon as none is eligible)."""
     accounting_grace_s: float = 0.05
     """Transit allowance of the between-poll accounting (>= 0): a snapshot written at t is

@@ -161,6 +161,7 @@ class Forwarder:
             betas=betas,
             policy_name=policy.name,
             stream_idle_timeout_s=proxy.stream_idle_timeout_s,
+            clock=clock,
         )
         self._total_timeout = aiohttp.ClientTimeout(
             total=proxy.total_timeout_s, sock_connect=proxy.connect_timeout_s

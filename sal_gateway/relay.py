@@ -100,6 +100,9 @@ class Settler(Protocol):
     def first_byte(self, ex: Exchange) -> None:
         """The first body byte arrived from the backend."""
 
+    def content(self, ex: Exchange) -> None:
+        """Content of a 200 answer (not an SSE comment) arrived from the backend."""
+
     def upstream_cancelled(self, ex: Exchange, reason: str) -> None:
         """The gateway closed the upstream connection of an unfinished exchange."""
 
@@ -192,6 +195,8 @@ async def relay_stream(
                 if first:
                     first = False
                     settler.first_byte(ex)
+                if not chunk.startswith(b":"):
+                    settler.content(ex)
                 raw = chunk
                 if stripper is not None:
                     chunk = stripper.feed(chunk)
@@ -323,6 +328,8 @@ async def relay_answer(
         settler.finish(ex, 499, None)
         raise
     settler.first_byte(ex)
+    if resp.status == 200:
+        settler.content(ex)
     usage = None
     if resp.status == 200 and "Content-Encoding" not in resp.headers:
         usage = usage_from_json(body)

@@ -21,8 +21,13 @@ Rules:
   there means "the API server answers", nothing more.
 * ``eject_after_failures`` consecutive failed polls eject it; one good poll re-admits it.
 * When no backend of a model is eligible, `degraded_views` names the ones still worth a try
-  (recent engine progress, not ejected or suspect); the proxy routes there by fewest
-  in-flight requests rather than refusing (``routing.degraded_max_progress_age_s``).
+  (recent engine progress, not ejected or suspect; or content relayed from it within
+  ``stale_after_s``, whatever its polls say); the proxy routes there by fewest in-flight
+  requests rather than refusing (``routing.degraded_max_progress_age_s``).
+* **Relayed content is proof of life** (`StateTable.relayed`): a replica whose ``/stats``
+  polls time out on a busy host while its streams deliver tokens serves; it is ejected from
+  SAL's choice (its state is unknown) but stays a degraded candidate, so a fleet whose
+  other replicas are down answers rather than 503s. A frozen API server relays nothing.
 * A connect failure seen by the proxy marks it *suspect* (not eligible) until its next good
   poll, so retries and the next requests avoid it without waiting for N poll failures.
 * **Accounting between polls never forgets.** Each routed request's prompt tokens are added
@@ -96,6 +101,9 @@ class BackendState:
     prefill_pending_tokens: int = 0
     """Prompt tokens of in-flight requests still waiting for their first byte."""
     removed: bool = False
+    relayed_s: float | None = None
+    """Gateway time at which content from this backend last reached the gateway (a response
+    body chunk of a request routed to it): its API server and engine answer."""
     unacked: deque[Ticket] = field(default_factory=deque)
     """Tickets whose tokens may still be missing from the engine's numbers, in send order
     (acknowledged or released ones are dropped lazily from the left)."""
@@ -107,6 +115,9 @@ class BackendState:
 
     def progress_age_s(self, now_s: float) -> float | None:
         return None if self.progress_s is None else max(0.0, now_s - self.progress_s)
+
+    def relayed_age_s(self, now_s: float) -> float | None:
+        return None if self.relayed_s is None else max(0.0, now_s - self.relayed_s)
 
     def is_eligible(self, now_s: float, stale_after_s: float) -> bool:
         age = self.age_s(now_s)
@@ -333,16 +344,24 @@ class StateTable:
         and at most ``stale_after_s`` later than the freshest candidate's. A transient
         starvation that makes every backend look a little stale at once (a busy host: the
         polls come late) then still routes, while an engine frozen for longer than its peers
-        stays out: its progress age only grows. Nothing has progressed within `max_age_s`:
-        no candidate (the fleet is down; the caller answers 503)."""
+        stays out: its progress age only grows. A backend whose content reached the gateway
+        at most ``stale_after_s`` ago is a candidate too (its age: that of the content),
+        ejected or suspect or not: it is serving now, however its polls fare. Nothing has
+        progressed within `max_age_s` and nothing was relayed: no candidate (the fleet is
+        down; the caller answers 503)."""
         pool = self._pools.get(model, {}).values()
-        ages = {
-            b.url: age
-            for b in pool
-            if (age := b.progress_age_s(now_s)) is not None
-            and age <= max_age_s
-            and not (b.ejected or b.suspect or b.removed)
-        }
+        ages: dict[str, float] = {}
+        for b in pool:
+            if b.removed:
+                continue
+            age = b.progress_age_s(now_s)
+            if b.ejected or b.suspect or (age is not None and age > max_age_s):
+                age = None
+            relayed = b.relayed_age_s(now_s)
+            if relayed is not None and relayed <= self.stale_after_s:
+                age = relayed if age is None else min(age, relayed)
+            if age is not None:
+                ages[b.url] = age
         freshest = min(ages.values(), default=0.0)
         return [
             b.view(b.url in ages and ages[b.url] <= freshest + self.stale_after_s) for b in pool
@@ -408,6 +427,12 @@ class StateTable:
         if not ticket.first_byte_seen and not ticket.released:
             ticket.first_byte_seen = True
             ticket.backend.prefill_pending_tokens -= ticket.prompt_tokens
+
+    @staticmethod
+    def relayed(ticket: Ticket, now_s: float) -> None:
+        """Content of `ticket`'s request reached the gateway at `now_s` (gateway clock): its
+        backend is alive, whatever its polls say (`degraded_views`)."""
+        ticket.backend.relayed_s = now_s
 
     @staticmethod
     def release(ticket: Ticket) -> None:

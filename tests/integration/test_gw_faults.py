@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -94,6 +95,61 @@ def test_all_backends_gone_gives_503_and_not_ready() -> None:
         assert resp.status_code == 503
         assert resp.json()["error"]["type"] == "service_unavailable"
         assert metric(rig.metrics(), "sal_requests_total", backend="none", status="503") == 1.0
+
+
+def test_a_replica_whose_polls_time_out_while_it_streams_is_routed_to_not_503() -> None:
+    """a is dead; b's ``/stats`` hangs (a busy host: its polls time out, it is ejected) while a
+    stream through b delivers tokens. New requests go to b (degraded routing: its relayed
+    content proves it serves) instead of a 503 for a fleet that still answers. Once b's
+    content is older than ``stale_after_s``, nothing vouches for it: 503."""
+    routing = {
+        "policy": "round_robin",
+        "stale_after_s": 0.6,
+        "poll_timeout_s": 0.3,
+        "eject_after_failures": 2,
+    }
+    with gateway_rig(2, routing=routing) as rig:
+        a_served, b_served = rig.served
+        b = rig.fakes[1]
+        a_served.stop()
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_healthy", backend=a_served.url) == 0)
+        b.behaviour.chunk_delay_s = 0.05
+        chunks: list[bytes] = []
+        stop = threading.Event()
+
+        def read_stream() -> None:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True}
+            with httpx.stream("POST", f"{rig.url}/v1/completions", json=body, timeout=30.0) as r:
+                for chunk in r.iter_bytes():
+                    chunks.append(chunk)
+                    if stop.is_set():
+                        return
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        try:
+            wait_until(lambda: len(chunks) >= 2)
+            b.behaviour.stats_hang = True
+            wait_until(
+                lambda: (
+                    metric(rig.metrics(), "sal_backend_ejections_total", backend=b_served.url)
+                    == 1.0
+                )
+            )
+            answers = [_complete(rig.url) for _ in range(3)]
+            assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+            assert {_answered_by(r) for r in answers} == {"b"}
+            degraded = metric(rig.metrics(), "sal_degraded_routes_total", backend=b_served.url)
+            assert degraded == 3.0
+        finally:
+            stop.set()
+            reader.join(timeout=30.0)
+        wait_until(
+            lambda: metric(rig.metrics(), "sal_backend_in_flight", backend=b_served.url) == 0
+        )
+        time.sleep(0.8)  # past stale_after_s: b's last content no longer vouches for it
+        resp = _complete(rig.url)
+        assert resp.status_code == 503, resp.text
 
 
 def test_backend_500_is_passed_through_not_retried() -> None:

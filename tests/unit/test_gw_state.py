@@ -371,6 +371,30 @@ def test_degraded_views_exclude_dead_suspect_and_long_frozen_backends() -> None:
     assert [v.eligible for v in table.degraded_views("m", 20.5, 10.0)] == [False, False]
 
 
+def test_a_backend_that_relays_content_stays_a_degraded_candidate_whatever_its_polls() -> None:
+    """A frozen (A, ejected) and a busy replica whose /stats polls time out (B, ejected) while
+    its streams deliver tokens: B serves, so degraded routing keeps it (a CI run's 503s). Its
+    content must be recent (``stale_after_s``, 1 s here); A, silent, stays out."""
+    table = _table()
+    _progress(table, A, 10.0, 100.0)
+    _progress(table, B, 10.0, 100.0)
+    ticket = table.route("m", B, 10)
+    for _ in range(3):
+        table.record_poll_failure("m", A, 11.0)
+        table.record_poll_failure("m", B, 11.0)
+    assert [v.eligible for v in table.degraded_views("m", 12.0, 10.0)] == [False, False]
+    StateTable.relayed(ticket, 12.0)
+    assert [v.eligible for v in table.views("m", 12.5)] == [False, False]  # SAL: unknown state
+    assert [v.eligible for v in table.degraded_views("m", 12.5, 10.0)] == [False, True]
+    table.mark_suspect("m", B)  # a connect failure does not outweigh tokens just relayed
+    assert [v.eligible for v in table.degraded_views("m", 12.5, 10.0)] == [False, True]
+    assert [v.eligible for v in table.degraded_views("m", 13.1, 10.0)] == [False, False]
+    # A backend relaying content is no reason to drop a peer that still progresses.
+    _progress(table, A, 12.6, 102.6)
+    StateTable.relayed(ticket, 13.0)
+    assert [v.eligible for v in table.degraded_views("m", 13.7, 10.0)] == [True, True]
+
+
 def test_a_cached_prompt_books_its_uncached_prefill_and_its_new_kv_apart() -> None:
     # Routed by a cache-aware policy: 1,000-token prompt, 600 predicted cached on A, 200 of
     # them held by a running request. A's queue grows by the 400 tokens it must prefill and
