@@ -39,6 +39,12 @@ def _cell(rows: Sequence[Row], key: str, fmt: str) -> str:
     return f"{fmt.format(med)} ({fmt.format(lo)}-{fmt.format(hi)})"
 
 
+def _runs(rows: Sequence[Row]) -> str:
+    """How many seeds / trace windows a scenario's cells are medians over."""
+    n = len({r["seed"] for r in rows})
+    return f"{n} seed{'s' if n != 1 else ''} / trace window{'s' if n != 1 else ''} per cell"
+
+
 def _group(rows: Sequence[Row], router: str, engine: str) -> list[Row]:
     return [r for r in rows if r["router"] == router and r["engine"] == engine]
 
@@ -96,11 +102,13 @@ def paired_ratios(rows: Sequence[Row], a: str, b: str, engine: str, key: str) ->
 
 
 def paired(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> str:
-    """`paired_ratios` as " (per seed lo-hi x)" ("" with fewer than two seeds)."""
+    """`paired_ratios` as " (per seed lo-hi x, `a` better on k of n)" ("" with fewer than
+    two seeds)."""
     ratios = paired_ratios(rows, a, b, engine, key)
     if len(ratios) < 2:
         return ""
-    return f" (per seed {min(ratios):.2f}-{max(ratios):.2f}x)"
+    wins = sum(r > 1.0 for r in ratios)
+    return f" (per seed {min(ratios):.2f}-{max(ratios):.2f}x, better on {wins} of {len(ratios)})"
 
 
 def _no_worse(ratio_value: float, tie: bool, per_seed: Sequence[float] = ()) -> str:
@@ -218,9 +226,9 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
         f"{doc['wall_s'] / 60:.0f} min on this shared 2-core machine). Every run has "
         "vLLM's prefix caching on in every replica; prefix-aware routers (sal, "
         "prefix_affinity, llm_d, cache_aware) read the router's approximate index of the "
-        "prompt blocks it routed, the others see no cache. Cells: median over 3 seeds / "
-        "trace windows (min-max). Ratios > 1: cache-aware SAL is better; overlapping "
-        'spreads are a tie. Method and caveats: `docs/simulator.md`, "Prefix caching".',
+        "prompt blocks it routed, the others see no cache. Cells: median over the seeds / "
+        "trace windows each section names (min-max). Ratios > 1: cache-aware SAL is better; "
+        'overlapping spreads are a tie. Method and caveats: `docs/simulator.md`, "Prefix caching".',
         "",
         "## Aims (issue 9)",
         "",
@@ -242,6 +250,8 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
         lines += [
             f"## {sc['name']}: {sc['workload']}{think}, {sc['replicas']} x {sc['profile']}, "
             f"load {sc['load_factor']}",
+            "",
+            f"{_runs(rows)}.",
             "",
             f"Expected regime: {sc['regime']}. Measured hit rate: cache-aware SAL "
             f"{measured['sal']:.0%}, prefix-blind sal_paper {measured['sal_paper']:.0%}.",

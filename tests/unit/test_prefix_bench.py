@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
+from bench import prefix_bench as pb
 from bench.prefix_real import RunResult, build_parser, report
 from bench.prefix_workload import SYSTEM_TOKENS, make_workload
+from tests.conftest import DATA_DIR
 
 
 def test_workload_is_seeded_fits_the_context_and_shares_only_the_system_prompt() -> None:
@@ -36,3 +40,18 @@ def test_report_pairs_ratios_by_seed_and_lists_every_run() -> None:
     assert "| p2c    | 1.25x (1.00x–1.50x) | 0.75x (0.50x–1.00x) |" in text
     assert text.count("| sal+approximate | 0 ") + text.count("| sal+approximate | 1 ") == 2
     assert "`sal-bench prefix-real --seeds 0,1`" in text
+
+
+def test_mooncake_conversation_windows_are_18_disjoint_full_windows_spread_over_the_trace() -> None:
+    """The simulator benchmark's conversation windows: 18, disjoint, each with requests, the
+    last inside the trace (three windows could not tell a tie from a loss at saturation)."""
+    ctx = pb.Context(data=DATA_DIR, quick=False)
+    sc = next(s for s in pb.SCENARIOS if s.name == "conversation-40gb-sat")
+    windows = pb.seeds(ctx, sc)
+    assert len(windows) == 18
+    starts = pb.CONVERSATION_STARTS
+    assert all(b - a >= sc.window_s for a, b in itertools.pairwise(starts))
+    sizes = [len(pb.workload(ctx, sc, w)) for w in windows]
+    assert min(sizes) > 100, sizes
+    assert starts[-1] + sc.window_s > 3_000  # the last window samples the trace's end
+    assert len(pb.seeds(pb.Context(data=DATA_DIR, quick=True), sc)) == 1

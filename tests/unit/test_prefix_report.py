@@ -48,16 +48,17 @@ def test_aims_report_met_and_not_met_with_the_best_baseline_named(tmp_path: Path
         aim: (measured, verdict) for _, aim, measured, verdict in aims(_doc(rows, "reuse survives"))
     }
     assert verdicts["p50 TTFT >= 1.5x lower than sal_paper"] == (
-        "1.99x (per seed 1.98-2.00x)",
+        "1.99x (per seed 1.98-2.00x, better on 3 of 3)",
         "met",
     )
     assert verdicts["p50 TTFT >= 1.2x lower than the best baseline (llm_d)"] == (
-        "1.10x (per seed 1.10-1.10x)",
+        "1.10x (per seed 1.10-1.10x, better on 3 of 3)",
         "not met",
     )
     write_report(_doc(rows, "reuse survives"), tmp_path / "prefix.md")
     text = (tmp_path / "prefix.md").read_text()
     assert "| fcfs | sal | 1.01 (1.00-1.02) |" in text
+    assert "3 seeds / trace windows per cell." in text
     assert "not met" in text
 
 
