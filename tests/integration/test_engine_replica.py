@@ -125,10 +125,15 @@ async def first_token_order(
     *,
     into: list[str] | None = None,
     client: httpx.AsyncClient | None = None,
+    chunks: dict[str, int] | None = None,
+    salt: int = 0,
 ) -> list[str]:
     """Send streaming completions ``(name, prompt_tokens, send_at_s, max_tokens)``; return
-    the names in the order their first token arrived (appended to `into` if given). Uses
-    `client` if given (its timeout applies), else one of its own."""
+    the names in the order their first token arrived (appended to `into` if given), and
+    count each one's streamed chunks in `chunks` if given. Uses `client` if given (its
+    timeout applies), else one of its own. A prompt's token ids follow from its name and
+    `salt`: the same name and salt, the same prompt (and prefix-cache hits on a replica that
+    saw it)."""
     order: list[str] = [] if into is None else into
 
     async def one(
@@ -137,7 +142,7 @@ async def first_token_order(
         await asyncio.sleep(delay_s)
         body = {
             "model": MODEL,
-            "prompt": token_prompt(n_tokens, seed=sum(map(ord, name))),
+            "prompt": token_prompt(n_tokens, seed=sum(map(ord, name)) + 7919 * salt),
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -149,6 +154,8 @@ async def first_token_order(
                 is_chunk = line.startswith("data: ") and line != "data: [DONE]"
                 if is_chunk and name not in order:
                     order.append(name)
+                if is_chunk and chunks is not None:
+                    chunks[name] = chunks.get(name, 0) + 1
 
     async with contextlib.AsyncExitStack() as stack:
         if client is None:
@@ -225,7 +232,31 @@ def queued_after(admitted: list[int]) -> int:
 
 class BlockerEnded(Exception):
     """The blocker finished before the queue behind it was complete (a starved box queues
-    slowly): this attempt cannot show the order; `admission_samples` starts another."""
+    slowly): this attempt cannot show the order; `admission_samples` starts another. The
+    message says how it ended, when, and what the queueing was waiting for."""
+
+
+def blocker_story(
+    blocker: asyncio.Task[list[str]],
+    streamed: int,
+    elapsed_s: float,
+    step: str,
+    last: ReplicaStats | None,
+) -> str:
+    """How a blocker that ended early ended: failed or decoded to its end, after how long and
+    how many streamed tokens, while the queueing waited for `step` with `last` on `/stats`."""
+    error = None if blocker.cancelled() else blocker.exception()
+    how = f"failed ({error!r})" if error is not None else "ran to its end"
+    state = (
+        "none"
+        if last is None
+        else f"running {last.num_running}, waiting {last.num_waiting}, "
+        f"queued prefill {last.queued_prefill_tokens}"
+    )
+    return (
+        f"{how} {elapsed_s:.1f} s after it was sent, {streamed} tokens streamed, while "
+        f"waiting for {step}; last /stats: {state}"
+    )
 
 
 async def queue_behind_blocker(
@@ -234,31 +265,54 @@ async def queue_behind_blocker(
     polls: httpx.AsyncClient,
     blocker_request: tuple[str, int, float, int] = BLOCKER,
     settle_s: float = 0.0,
+    attempt: int = 0,
 ) -> tuple[asyncio.Task[list[str]], list[asyncio.Task[list[str]]]]:
     """Start `blocker_request`, then queue `QUEUE` behind it one by one, each sent once
     `/stats` shows the one before it waiting, then wait `settle_s` more; raise
-    `BlockerEnded` if the blocker ends before all that."""
-    blocker = asyncio.create_task(first_token_order(url, [blocker_request], client=streams))
+    `BlockerEnded` if the blocker ends before all that.
+
+    Every `attempt` sends prompts of its own: when a blocker ends early, vLLM admits and
+    prefills queued prompts before they are cancelled, and its prefix cache keeps them, so a
+    retry with the same prompts would see `/stats` report their queued prefill net of those
+    cached blocks and never show the expected state: the retry then waits until its blocker
+    runs out too (how one early end became three in a CI run; reproduced on a local replica)."""
+    streamed: dict[str, int] = {}
+    started = time.monotonic()
+    blocker = asyncio.create_task(
+        first_token_order(url, [blocker_request], client=streams, chunks=streamed, salt=attempt)
+    )
     queued: list[asyncio.Task[list[str]]] = []
+    step = "the blocker alone"
+    last: ReplicaStats | None = None
+
+    def ended() -> BlockerEnded:
+        elapsed_s = time.monotonic() - started
+        count = streamed.get(blocker_request[0], 0)
+        return BlockerEnded(blocker_story(blocker, count, elapsed_s, step, last))
 
     def unless_ended(wanted: Callable[[ReplicaStats], bool]) -> Callable[[ReplicaStats], bool]:
         def check(stats: ReplicaStats) -> bool:
+            nonlocal last
+            last = stats
             if blocker.done():
-                raise BlockerEnded
+                raise ended()
             return wanted(stats)
 
         return check
 
     try:
-        await wait_for_stats(polls, url, unless_ended(shows(1, 0, 0)), "the blocker alone")
+        await wait_for_stats(polls, url, unless_ended(shows(1, 0, 0)), step)
         for n, request in enumerate(QUEUE, start=1):
-            queued.append(asyncio.create_task(first_token_order(url, [request], client=streams)))
+            queued.append(
+                asyncio.create_task(first_token_order(url, [request], client=streams, salt=attempt))
+            )
             tokens = sum(r[1] for r in QUEUE[:n])
-            what = f"{request[0]} queued behind the blocker ({n} waiting, {tokens} tokens)"
-            await wait_for_stats(polls, url, unless_ended(shows(1, n, tokens)), what)
+            step = f"{request[0]} queued behind the blocker ({n} waiting, {tokens} tokens)"
+            await wait_for_stats(polls, url, unless_ended(shows(1, n, tokens)), step)
+        step = f"the {settle_s} s settle"
         await asyncio.sleep(settle_s)
         if blocker.done():
-            raise BlockerEnded
+            raise ended()
     except BlockerEnded:
         for task in [blocker, *queued]:
             task.cancel()  # closes the streams: vLLM aborts what is left
@@ -280,17 +334,19 @@ async def admission_samples(
         httpx.AsyncClient(timeout=timeout) as streams,
         httpx.AsyncClient(timeout=10.0) as polls,
     ):
+        stories: list[str] = []
         for attempt in range(1, QUEUE_ATTEMPTS + 1):
             try:
                 blocker, queued = await queue_behind_blocker(
-                    url, streams, polls, blocker_request, settle_s
+                    url, streams, polls, blocker_request, settle_s, attempt
                 )
                 break
-            except BlockerEnded:
+            except BlockerEnded as exc:
+                stories.append(f"try {attempt}: {exc}")
                 if attempt == QUEUE_ATTEMPTS:
                     raise AssertionError(
                         f"the blocker ({blocker_request[3]} tokens) ended before {QUEUED} prompts "
-                        f"were queued behind it, {QUEUE_ATTEMPTS} times"
+                        f"were queued behind it, {QUEUE_ATTEMPTS} times: " + "; ".join(stories)
                     ) from None
         blocker.cancel()  # closes its stream: vLLM aborts the request and admits the next
         with contextlib.suppress(asyncio.CancelledError):
