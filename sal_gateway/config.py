@@ -196,7 +196,9 @@ class ProxyConfig:
     """Upstream HTTP behaviour."""
 
     connect_timeout_s: float = 2.0
-    """Timeout to establish a TCP connection to a backend."""
+    """Timeout to establish a TCP connection to a backend. One whose timer ran late because
+    the gateway's own process was stalled is retried once on the same backend, not held
+    against it (`upstream.connect_held_up_by_stall`)."""
     total_timeout_s: float = 600.0
     """Timeout of the whole upstream exchange, streaming included. The bound of a
     non-streaming request (vLLM sends its headers only when generation ends), unless its

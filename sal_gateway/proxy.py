@@ -27,12 +27,14 @@ Other failures:
 * Connect failure before any response byte (refused, reset, connect timeout, closed before the
   headers): the backend is marked suspect and the request goes to the next best backend, at
   most ``routing.max_retries`` times; then 502.
-* Except the keep-alive race (`upstream.is_stale_connection`): a request that went out on a
-  pooled connection the backend closed or reset before answering never reached its handler,
-  and the backend is not at fault. The request is chosen again (the backend stays a
-  candidate, not suspect) and sent on a new connection; once per request, not counted in
-  ``routing.max_retries``. Marking a healthy last replica suspect for it had turned one
-  closed connection into a 502 and 503s until the next poll.
+* Except two failures that are not the backend's fault: the keep-alive race
+  (`upstream.is_stale_connection`: a request that went out on a pooled connection the backend
+  closed or reset before answering never reached its handler) and a connect timeout that
+  fired only because the gateway's own process was stalled (`upstream.connect_held_up_by_stall`:
+  the connection was made in the kernel meanwhile, but the loop ran the overdue timer first).
+  The request is chosen again (the backend stays a candidate, not suspect) and sent on a new
+  connection; once per request, not counted in ``routing.max_retries``. Marking a healthy
+  last replica suspect for either had turned it into a 502 and 503s until the next poll.
 * A backend's HTTP error (4xx *and* 5xx) is passed through with its status and body, never
   retried: generation may have happened.
 * The request body is forwarded byte for byte, except that a stream whose client did not ask
@@ -76,7 +78,13 @@ from sal_gateway.request_body import InboundRequest
 from sal_gateway.stall_guard import stall_tolerant_timeout
 from sal_gateway.state import StateTable
 from sal_gateway.trace_hooks import NO_TRACE, RequestTrace
-from sal_gateway.upstream import RETRYABLE, is_stale_connection, make_session, upstream_headers
+from sal_gateway.upstream import (
+    RETRYABLE,
+    connect_held_up_by_stall,
+    is_stale_connection,
+    make_session,
+    upstream_headers,
+)
 from sal_gateway.usage import with_usage_requested
 
 __all__ = ["Forwarder", "make_session", "sse_error_event", "upstream_headers"]
@@ -103,14 +111,15 @@ class _Retry(Exception):
         cause: Exception,
         *,
         header_timeout: bool = False,
-        stale_connection: bool = False,
+        blameless: bool = False,
     ) -> None:
         super().__init__(f"{url}: {cause}")
         self.url = url
         self.cause = cause
         self.header_timeout = header_timeout
-        self.stale_connection = stale_connection
-        """The keep-alive race (`upstream.is_stale_connection`): not the backend's fault."""
+        self.blameless = blameless
+        """Not the backend's fault: the keep-alive race (`upstream.is_stale_connection`) or
+        a connect timeout from a stall of the gateway (`upstream.connect_held_up_by_stall`)."""
 
 
 def _excluding(views: list[BackendView], exclude: set[str]) -> list[BackendView]:
@@ -324,10 +333,11 @@ class Forwarder:
                 ex.span.end(None, failure.cause)
                 StateTable.release(ex.ticket)
                 failures.append(failure)
-                if failure.stale_connection and not fresh:
+                if failure.blameless and not fresh:
                     # The backend closed an idle pooled connection as the request went out
-                    # on it: nothing reached its handler and it is not at fault. Once per
-                    # request, choose again (it stays a candidate) on a new connection.
+                    # on it, or the connect timed out only because this process stalled:
+                    # nothing reached its handler and it is not at fault. Once per request,
+                    # choose again (it stays a candidate) on a new connection.
                     fresh = True
                     continue
                 fresh = False
@@ -442,7 +452,19 @@ class Forwarder:
                     url,
                     type(exc).__name__,
                 )
-                raise _Retry(url, exc, stale_connection=True) from None
+                raise _Retry(url, exc, blameless=True) from None
+            now_s = asyncio.get_running_loop().time()
+            timeout_s = self._proxy.connect_timeout_s
+            if connect_held_up_by_stall(exc, ex.connection, timeout_s, now_s):
+                logger.warning(
+                    "connect to %s timed out only because the gateway's process was stalled "
+                    "(the %s s bound fired %.1f s after the connect began): retrying it on a "
+                    "new connection",
+                    url,
+                    timeout_s,
+                    now_s - (ex.connection.connect_started_s or now_s),
+                )
+                raise _Retry(url, exc, blameless=True) from None
             logger.warning("connect to %s failed: %s: %s", url, type(exc).__name__, exc)
             raise _Retry(url, exc) from None
         except _ReplicaStalled:

@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import pytest
 
 from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.stall_guard import GRACE_S, STALL_S, held_up_by_stall, stall_tolerant_timeout
+from sal_gateway.upstream import ConnectionUse, connect_held_up_by_stall
 
 BOUND_S = 0.2
 STALL_FOR_S = BOUND_S + STALL_S + 0.5
@@ -125,3 +127,27 @@ async def test_a_stream_whose_content_arrived_during_a_stall_is_not_cut() -> Non
         assert len(fired_at) == 1, content
         took = fired_at[0] - stall.ended_at
         assert cut_after_s * 0.8 < took < cut_after_s + STALL_S, (content, took)
+
+
+def _use(started_s: float | None) -> ConnectionUse:
+    use = ConnectionUse()
+    use.connect_started_s = started_s
+    return use
+
+
+def test_a_connect_timeout_is_the_stalls_only_when_its_timer_ran_well_past_due() -> None:
+    timeout = aiohttp.ConnectionTimeoutError("Connection timeout to host")
+    started = _use(100.0)
+    assert not connect_held_up_by_stall(timeout, started, 2.0, 102.01)  # fired on time
+    assert connect_held_up_by_stall(timeout, started, 2.0, 102.0 + STALL_S + 0.1)
+    # aiohttp rounds a bound over 5 s up to a whole loop second: due at 111, not 110.3.
+    assert not connect_held_up_by_stall(timeout, _use(100.3), 10.0, 111.2)
+    assert connect_held_up_by_stall(timeout, _use(100.3), 10.0, 111.0 + STALL_S + 0.1)
+
+
+def test_only_a_connect_timeout_with_a_recorded_start_is_ever_forgiven() -> None:
+    late_s = 102.0 + STALL_S + 5.0
+    timeout = aiohttp.ConnectionTimeoutError("Connection timeout to host")
+    assert not connect_held_up_by_stall(timeout, _use(None), 2.0, late_s)
+    refused = aiohttp.ServerDisconnectedError()
+    assert not connect_held_up_by_stall(refused, _use(100.0), 2.0, late_s)
