@@ -164,9 +164,7 @@ class PromptCounter:
                 return list(batch[0].ids)
             ids = self.hf_tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         except Exception as exc:  # e.g. lone surrogates from JSON escapes: the client's input
-            raise BadRequest(
-                f"the prompt cannot be tokenized: {str(exc)[:200]}", param="prompt"
-            ) from None
+            raise BadRequest(_untokenizable(text, exc), param="prompt") from None
         return list(ids)
 
     @property
@@ -301,3 +299,17 @@ def load_model_tokenizer(tokenizer: str | None, max_model_len: int | None) -> Pr
         if isinstance(length, int) and 0 < length < _UNSET_MODEL_MAX_LENGTH:
             max_model_len = length
     return PromptCounter(hf, max_model_len)
+
+
+def _untokenizable(text: str, exc: Exception) -> str:
+    """The client's error for a `text` the tokenizer refused with `exc`: where it is not valid
+    Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can carry) the character
+    and its position, which the tokenizer library's own message does not say."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        return (
+            f"the prompt cannot be tokenized: it is not valid Unicode (a lone surrogate, "
+            f"U+{ord(text[bad.start]):04X}, at character {bad.start})"
+        )
+    return f"the prompt cannot be tokenized: {str(exc)[:200]}"

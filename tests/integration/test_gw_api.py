@@ -221,7 +221,11 @@ def test_prompt_tokens_counted_with_the_tokenizer(rig: Rig, client: openai.OpenA
             "maximum context length is 256",
         ),
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 1000}', 400, "max_tokens=1000"),
-        (b'{"model": "tiny", "prompt": "bad \\ud800 surrogate"}', 400, "cannot be tokenized"),
+        (
+            b'{"model": "tiny", "prompt": "bad \\ud800 surrogate"}',
+            400,
+            "not valid Unicode (a lone surrogate, U+D800, at character 4)",
+        ),
     ],
 )
 def test_bad_input_gets_openai_error_and_gateway_keeps_serving(
