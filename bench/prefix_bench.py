@@ -110,6 +110,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         think_time_s=(5.0, 60.0), regime="reuse survives",
     ),
     Scenario(
+        "chat-short-40gb", "chat", "llama31-8b-a100", 4, 14.0, window_s=30.0,
+        think_time_s=(5.0, 60.0), regime="reuse survives (in part: 40 GB, memory binds)",
+    ),
+    Scenario(
+        "chat-short-40gb-sat", "chat", "llama31-8b-a100", 4, 18.0, window_s=30.0,
+        think_time_s=(5.0, 60.0),
+        regime="reuse survives (in part: 40 GB, memory binds; near saturation)",
+        engines=("fcfs",),
+    ),
+    Scenario(
         "chat-long-40gb", "chat", "llama31-8b-a100", 4, 24.0, window_s=30.0,
         think_time_s=(60.0, 120.0), regime="reuse does not survive",
     ),
@@ -295,7 +305,7 @@ def run_credit_all(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     """Preemptions of SAL crediting only held blocks vs crediting every cached token."""
     rows: list[Row] = []
     for sc in SCENARIOS:
-        if sc.name not in ("conversation-40gb-sat", "chat-long-40gb"):
+        if sc.name not in ("conversation-40gb-sat", "chat-long-40gb", "chat-short-40gb-sat"):
             continue
         for seed in seeds(ctx, sc):
             reqs = workload(ctx, sc, seed)
