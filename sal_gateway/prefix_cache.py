@@ -94,6 +94,20 @@ class PrefixTracker:
         cache = self._models.get(model)
         return None if cache is None else cache.block_size
 
+    def tracking(self, model: str, url: str) -> bool:
+        """Whether `url`'s blocks are indexed from now on: its last good poll reported prefix
+        caching on, with `model`'s block size. Until then a request routed there is not
+        remembered (`hold` returns None), so a model's block size alone does not mean
+        every replica is tracked."""
+        cache = self._models.get(model)
+        replica = None if cache is None else cache.replicas.get(url)
+        return (
+            cache is not None
+            and replica is not None
+            and replica.caching
+            and replica.block_size == cache.block_size
+        )
+
     def block_sizes(self) -> dict[str, int]:
         """Every model's block size known so far (for the body workers)."""
         return {m: c.block_size for m, c in self._models.items() if c.block_size is not None}

@@ -110,8 +110,14 @@ def fleet(
         gateway = stack.enter_context(ServedApp(app, lifespan=True))
         runtime: Runtime = app.state.runtime
         deadline = time.monotonic() + DEADLINE_S
-        while runtime.prefix is None or runtime.prefix.block_size(MODEL) != BLOCK:
-            assert time.monotonic() < deadline, "the gateway never learnt the block size"
+        # Every replica tracked, not just the model's block size learnt (that is the first
+        # replica's): a request routed to a replica not polled yet is not indexed.
+        while (
+            runtime.prefix is None
+            or runtime.prefix.block_size(MODEL) != BLOCK
+            or not all(runtime.prefix.tracking(MODEL, b.url) for b in runtime.table.backends(MODEL))
+        ):
+            assert time.monotonic() < deadline, "the gateway never tracked every replica's cache"
             time.sleep(0.1)
         yield urls, gateway, runtime
 

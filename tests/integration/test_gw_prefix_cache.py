@@ -19,9 +19,14 @@ BS = 16
 def _cache_on(rig: Rig) -> None:
     for fake in rig.fakes:
         fake.stats = replace(fake.stats, prefix_caching=True, prefix_hash_algo="sha256")
-    # The tracker learns the block size from the next poll of each replica.
+    # The tracker learns each replica's caching from that replica's next poll: wait for all
+    # of them, not for the model's block size (the first one's), or a request routed to a
+    # replica not polled yet is not indexed (a clean-clone run: the follow-up turn went to b).
+    prefix = rig.runtime.prefix
+    assert prefix is not None
+    backends = [b.url for b in rig.runtime.table.backends(MODEL)]
     wait_until(
-        lambda: rig.runtime.prefix is not None and rig.runtime.prefix.block_size(MODEL) == BS
+        lambda: prefix.block_size(MODEL) == BS and all(prefix.tracking(MODEL, u) for u in backends)
     )
 
 

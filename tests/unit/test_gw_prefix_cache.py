@@ -152,3 +152,19 @@ def test_kv_event_store_evict_and_clear_drive_the_index() -> None:
 def test_off_is_not_a_tracker_mode() -> None:
     with pytest.raises(ValueError, match="approximate or kv_events"):
         PrefixTracker("off")
+
+
+def test_a_replica_is_tracked_only_once_its_own_poll_reported_caching_on() -> None:
+    # The model's block size comes from the first replica polled; a request routed to one not
+    # polled since caching went on is not remembered, which is what `tracking` tells.
+    tracker = PrefixTracker("approximate")
+    tracker.observe("m", A, _stats())
+    assert tracker.block_size("m") == BS
+    assert tracker.tracking("m", A)
+    assert not tracker.tracking("m", B)
+    assert tracker.hold("m", B, _blocks(CONV)) is None  # not indexed: nothing to release
+    tracker.observe("m", B, _stats())
+    assert tracker.tracking("m", B)
+    tracker.observe("m", B, replace(_stats(), prefix_caching=False))
+    assert not tracker.tracking("m", B)
+    assert not tracker.tracking("other", A)
