@@ -2,10 +2,12 @@
 
 `StateFetcher.fetch()` returns a backend's state or raises `PollFailed` with a reason from
 `REASONS`. A 404 on ``/stats`` means stock vLLM: the fetcher reads ``/metrics`` instead and
-keeps doing so while it works. Every request has the poll timeout and reads at most
-`MAX_BODY_BYTES`; JSON is decoded without NaN/Infinity, and a body nested too deep is a
-``bad_body``, not an exception that escapes. Used on the poller's own thread and event loop
-(`sal_gateway.poller`).
+keeps doing so while it works. Every request has the poll timeout, stall-tolerant
+(`stall_guard.stall_tolerant_timeout`: an answer that came while the gateway's process was
+not scheduled is a good poll, not a timeout that would make a healthy replica look stale
+with its poller on time), and reads at most `MAX_BODY_BYTES`; JSON is decoded without
+NaN/Infinity, and a body nested too deep is a ``bad_body``, not an exception that escapes.
+Used on the poller's own thread and event loop (`sal_gateway.poller`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import aiohttp
 
 from sal_core.stats import ReplicaStats, StatsSchemaError, parse_stats
+from sal_gateway.stall_guard import stall_tolerant_timeout
 from sal_gateway.vllm_metrics import MetricsParseError, parse_vllm_metrics
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -49,7 +52,8 @@ class StateFetcher:
     ) -> None:
         self._session = session
         self._timeout_s = timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._no_own_timeout = aiohttp.ClientTimeout(total=None)
+        """aiohttp's bounds are off: `stall_tolerant_timeout` bounds each request."""
         self._wall_clock = wall_clock
         self._stock_vllm: set[tuple[str, str]] = set()
         """Backends whose /stats answered 404: read on /metrics until that fails."""
@@ -75,7 +79,10 @@ class StateFetcher:
 
     async def _get(self, url: str) -> tuple[int, bytes]:
         try:
-            async with self._session.get(url, timeout=self._timeout) as resp:
+            async with (
+                stall_tolerant_timeout(self._timeout_s),
+                self._session.get(url, timeout=self._no_own_timeout) as resp,
+            ):
                 return resp.status, await _read_capped(resp, url)
         except TimeoutError:
             raise PollFailed(
