@@ -14,7 +14,10 @@ Fault knobs (used by the real-process fault tests), in `FaultyFake`:
   ``/stats`` (`STATS_MODES`), and ``fail_after_headers`` (`AFTER_HEADERS_MODES`, or null):
   each recorded streaming request gets 200 ``text/event-stream`` headers, then ``exit`` (the
   process dies at once: a replica killed right after it accepted a request) or ``empty``
-  (the stream ends cleanly without a byte of content). It answers the knobs now in force.
+  (the stream ends cleanly without a byte of content), and ``stats``, an object of
+  sal-stats fields the fake reports from then on (e.g. ``{"queued_prefill_tokens": 0}`` on a
+  replica whose requests wait: a replica that lies about its queue). It answers the knobs
+  now in force.
 * ``--record PATH`` appends one line per generation request to PATH, flushed at once (so it
   survives a SIGKILL): ``start ID`` when the request arrives, then ``done ID`` when the last
   byte of its answer was handed to the server with the client still there, or ``abort ID``
@@ -94,6 +97,15 @@ class FaultyFake:
                     )
                     return
                 self.fail_after_headers = value
+            elif key == "stats":
+                fields = {f.name for f in dataclasses.fields(self.backend.stats)}
+                unknown = sorted(set(value) - fields) if isinstance(value, dict) else ["?"]
+                if unknown:
+                    await _reply(
+                        send, 400, f"unknown stats fields {unknown}".encode(), b"text/plain"
+                    )
+                    return
+                self.backend.stats = dataclasses.replace(self.backend.stats, **value)
             elif key in {f.name for f in dataclasses.fields(behaviour)}:
                 setattr(behaviour, key, value)
             else:

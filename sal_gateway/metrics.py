@@ -156,7 +156,7 @@ class GatewayMetrics:
         )
         self.queued = Gauge(
             "sal_backend_queued_prefill_tokens",
-            "Queued prefill tokens (with local accounting)",
+            "Queued prefill tokens (local accounting; floor: our streams awaiting a first byte)",
             _MB,
             registry=r,
         )

@@ -311,7 +311,9 @@ class Forwarder:
             if self._prefix is not None and chooser.name in PREFIX_AWARE_POLICIES:
                 queued_tokens -= view.cached_tokens
                 kv_tokens -= view.cached_held_tokens
-            ticket = self._table.route(model, url, queued_tokens, kv_tokens=kv_tokens)
+            ticket = self._table.route(
+                model, url, queued_tokens, kv_tokens=kv_tokens, streamed=inbound.stream
+            )
             if blocks is not None and self._prefix is not None:
                 ticket.on_release = self._prefix.hold(model, url, blocks)
             ex = Exchange(

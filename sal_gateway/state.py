@@ -40,6 +40,12 @@ Rules:
 * Backends read through stock vLLM ``/metrics`` (no queued-token count there) use the prompt
   tokens of the gateway's own in-flight requests that have not received a first byte yet as
   their queued prefill tokens.
+* **A replica cannot claim less queue than the gateway knows it has.** The prompt tokens of
+  the gateway's own in-flight *streams* that have not received a first byte yet are still
+  waiting or prefilling there, so they floor the queued prefill tokens of a ``/stats``
+  backend too: a replica whose ``/stats`` under-reports its queue (a bug, a snapshot of the
+  wrong engine) would otherwise look idle to SAL and draw every request while they wait.
+  Only streams count: a non-streamed answer's first byte comes when generation ends.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ class BackendState:
     a running request holds: `sal_core.policies.BackendView.cached_held_tokens`)."""
     prefill_pending_tokens: int = 0
     """Prompt tokens of in-flight requests still waiting for their first byte."""
+    stream_pending_tokens: int = 0
+    """Of those, the streamed requests' (a floor under the queue a ``/stats`` reports)."""
     removed: bool = False
     relayed_s: float | None = None
     """Gateway time at which content from this backend last reached the gateway (a response
@@ -142,7 +150,8 @@ class BackendState:
             return 0
         if self.source == "metrics":
             return self.prefill_pending_tokens
-        return self.stats.queued_prefill_tokens + self.routed_tokens_since_poll
+        reported = self.stats.queued_prefill_tokens + self.routed_tokens_since_poll
+        return max(reported, self.stream_pending_tokens)
 
     def max_num_batched_tokens(self) -> int:
         if self.stats is None or self.stats.max_num_batched_tokens <= 0:
@@ -200,6 +209,8 @@ class Ticket:
     """Gateway time at which the request was routed."""
     kv_tokens: int = -1
     """New KV tokens it takes there (negative when built: the same as `prompt_tokens`)."""
+    streamed: bool = False
+    """A stream: its first byte comes with its first token (`stream_pending_tokens`)."""
     first_byte_seen: bool = False
     released: bool = False
     acked: bool = False
@@ -399,9 +410,12 @@ class StateTable:
         prompt_tokens: int,
         sent_s: float | None = None,
         kv_tokens: int | None = None,
+        *,
+        streamed: bool = False,
     ) -> Ticket:
         """Account a request just routed to `url` at `sent_s` (default: `clock()`): its
-        `prompt_tokens` of prefill and `kv_tokens` of new KV (default: the same); raises
+        `prompt_tokens` of prefill and `kv_tokens` of new KV (default: the same), and, for a
+        `streamed` one, a floor under the backend's queue until its first byte; raises
         KeyError for an unknown backend. Send times are kept non-decreasing per backend
         (an earlier one is moved up to the last: later acknowledgement, never earlier)."""
         backend = self._pools[model][url]
@@ -417,7 +431,9 @@ class StateTable:
         backend.routed_tokens_since_poll += prompt_tokens
         backend.routed_kv_tokens_since_poll += kv
         backend.prefill_pending_tokens += prompt_tokens
-        ticket = Ticket(backend, prompt_tokens, sent_s, kv)
+        if streamed:
+            backend.stream_pending_tokens += prompt_tokens
+        ticket = Ticket(backend, prompt_tokens, sent_s, kv, streamed)
         unacked.append(ticket)
         return ticket
 
@@ -427,6 +443,8 @@ class StateTable:
         if not ticket.first_byte_seen and not ticket.released:
             ticket.first_byte_seen = True
             ticket.backend.prefill_pending_tokens -= ticket.prompt_tokens
+            if ticket.streamed:
+                ticket.backend.stream_pending_tokens -= ticket.prompt_tokens
 
     @staticmethod
     def relayed(ticket: Ticket, now_s: float) -> None:

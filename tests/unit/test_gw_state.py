@@ -113,6 +113,28 @@ def test_metrics_fallback_uses_own_in_flight_prefill_tokens_as_queue() -> None:
     assert table.views("m", 0.1)[0].queued_prefill_tokens == 0
 
 
+def test_a_stats_backend_cannot_report_less_queue_than_its_unstarted_streams() -> None:
+    # A replica whose /stats says "idle" while two of our streams wait there for their
+    # first token: it must not look idle to SAL (it would draw every request).
+    table = _table()
+    lying = dataclasses.replace(default_stats(), queued_prefill_tokens=0)
+    table.record_poll_success("m", A, lying, "stats", now_s=0.0)
+    streams = [table.route("m", A, 500, sent_s=0.0, streamed=True) for _ in range(2)]
+    whole = table.route("m", A, 300, sent_s=0.0)  # not streamed: its first byte comes last
+    table.record_poll_success("m", A, lying, "stats", now_s=0.2)  # acknowledges all three
+    assert table.views("m", 0.2)[0].queued_prefill_tokens == 1000
+    StateTable.first_byte(streams[0])
+    assert table.views("m", 0.2)[0].queued_prefill_tokens == 500
+    StateTable.release(streams[1])
+    assert table.views("m", 0.2)[0].queued_prefill_tokens == 0
+    # An honest report above the floor is what counts.
+    busy = dataclasses.replace(default_stats(), queued_prefill_tokens=4000, num_waiting=2)
+    table.record_poll_success("m", A, busy, "stats", now_s=0.3)
+    table.route("m", A, 500, sent_s=0.3, streamed=True)
+    assert table.views("m", 0.3)[0].queued_prefill_tokens == 4500
+    StateTable.release(whole)
+
+
 def test_removed_backend_leaves_pool_but_its_tickets_still_release() -> None:
     table = _table()
     table.record_poll_success("m", A, default_stats(), "stats", now_s=0.0)
@@ -130,7 +152,7 @@ def test_removed_backend_leaves_pool_but_its_tickets_still_release() -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["route", "first_byte", "release", "poll"]),
+            st.sampled_from(["route", "stream", "first_byte", "release", "poll"]),
             st.integers(0, 5),
             st.integers(0, 5000),
         ),
@@ -144,8 +166,8 @@ def test_accounting_invariants_hold_for_any_sequence(ops: list[tuple[str, int, i
     table.record_poll_success("m", A, stats, "metrics", now_s=0.0)
     tickets = []
     for op, index, tokens in ops:
-        if op == "route":
-            tickets.append(table.route("m", A, tokens))
+        if op in ("route", "stream"):
+            tickets.append(table.route("m", A, tokens, streamed=op == "stream"))
         elif op == "poll":
             table.record_poll_success("m", A, stats, "metrics", now_s=0.0)
         elif tickets:
@@ -156,6 +178,9 @@ def test_accounting_invariants_hold_for_any_sequence(ops: list[tuple[str, int, i
         assert backend.in_flight == len(live)
         assert backend.prefill_pending_tokens == sum(
             t.prompt_tokens for t in live if not t.first_byte_seen
+        )
+        assert backend.stream_pending_tokens == sum(
+            t.prompt_tokens for t in live if t.streamed and not t.first_byte_seen
         )
         view = table.views("m", 0.0)[0]
         assert 0 <= view.free_kv_tokens <= 3000
