@@ -77,7 +77,8 @@ class FakeBehaviour:
     hang: bool = False
     """Never answer generation requests (until the client goes away)."""
     close_after_chunks: int | None = None
-    """Drop the connection after this many SSE chunks (a crash mid-stream)."""
+    """Drop the connection after this many SSE chunks (a crash mid-stream; after the stall,
+    if one comes at the same point)."""
     stats_hang: bool = False
     """``/stats`` never answers."""
     stats_status: int = 200
@@ -307,8 +308,6 @@ class FakeBackend:
         while sent < output_tokens:
             if gone.is_set():
                 return
-            if b.close_after_chunks is not None and n_chunks >= b.close_after_chunks:
-                raise ConnectionAbortedError("fake backend crashed mid-stream")
             if (
                 not stalled
                 and b.stall_after_chunks is not None
@@ -319,6 +318,8 @@ class FakeBackend:
                     b.engine_frozen = True
                 if await self._stall(send, gone):
                     return
+            if b.close_after_chunks is not None and n_chunks >= b.close_after_chunks:
+                raise ConnectionAbortedError("fake backend crashed mid-stream")
             k = min(b.tokens_per_chunk, output_tokens - sent)
             sent += k
             n_chunks += 1

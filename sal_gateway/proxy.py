@@ -73,7 +73,14 @@ from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.poller import pollers_behind
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
-from sal_gateway.relay import Exchange, Head, is_event_stream, relay_answer, sse_error_event
+from sal_gateway.relay import (
+    Exchange,
+    Head,
+    comments_only,
+    is_event_stream,
+    relay_answer,
+    sse_error_event,
+)
 from sal_gateway.request_body import InboundRequest
 from sal_gateway.stall_guard import stall_tolerant_timeout
 from sal_gateway.state import StateTable
@@ -503,21 +510,27 @@ class Forwarder:
         return await relay_answer(self.accounting, ex, resp, inbound.stream, head)
 
     async def _first_body(self, ex: Exchange, resp: aiohttp.ClientResponse) -> Head:
-        """Wait (at most ``proxy.first_byte_hold_s``) for a 200 stream's first body bytes
+        """Wait (at most ``proxy.first_byte_hold_s``) for a 200 stream's first content
         before the client's headers go out, so that a backend that fails before sending any
-        can still be replaced: the connection reset or closed, or the stream ended empty,
-        raises `_Retry` (connection closed, counted). The hold expiring, or the idle or
-        total bound, leaves it to the relay (headers, then what the relay does)."""
+        can still be replaced: the connection reset or closed, or the stream ended without
+        content, raises `_Retry` (connection closed, counted). SSE comments (vLLM's
+        keep-alive while the request waits) are not content: they are kept and the wait goes
+        on. The hold expiring, or the idle or total bound, leaves it to the relay (headers,
+        what was read, then what the relay does)."""
         # Never past the idle bound: a frozen replica's stream gets its error event as soon.
         hold_s = min(self._proxy.first_byte_hold_s, self._proxy.stream_idle_timeout_s)
         if hold_s <= 0:
             return Head()
         bound = asyncio.timeout(hold_s)
+        read = b""
         try:
             async with bound:  # readany is cancellation-safe: nothing read is lost
-                chunk = await resp.content.readany()
-        except TimeoutError as exc:  # the hold (nothing yet: relay as usual), or idle/total
-            return Head() if bound.expired() else Head(error=exc)
+                while chunk := await resp.content.readany():
+                    read += chunk
+                    if not comments_only(read):
+                        break
+        except TimeoutError as exc:  # the hold (relay as usual), or the idle/total bound
+            return Head(read) if bound.expired() else Head(read, error=exc)
         except aiohttp.ClientError as exc:  # reset, or closed in the middle of the body
             resp.close()
             self._count_first_byte_failure(ex, "closed")
@@ -527,11 +540,11 @@ class Forwarder:
             self.accounting.upstream_cancelled(ex, "client_disconnect")
             self.accounting.finish(ex, 499, None)
             raise
-        if not chunk:  # a clean end without a byte of content
+        if comments_only(read):  # a clean end without content (nothing, or comments only)
             resp.close()
             self._count_first_byte_failure(ex, "empty")
             raise _Retry(ex.backend, UpstreamError("the stream ended without content"))
-        return Head(chunk)
+        return Head(read)
 
     def _count_first_byte_failure(self, ex: Exchange, reason: str) -> None:
         self._metrics.first_byte_failures.labels(ex.model, ex.backend, reason).inc()

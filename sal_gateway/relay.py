@@ -88,7 +88,8 @@ class Head:
     """What the forwarder read of a stream's body before the client's headers went out."""
 
     chunk: bytes = b""
-    """The first body bytes (relayed first); empty when none came within the hold."""
+    """The first body bytes (relayed first): SSE comments, then the first content, or only
+    comments when no content came within the hold; empty when nothing came."""
     error: BaseException | None = None
     """The read failure that ended the hold (an idle or total timeout): the relay sends the
     headers, then the error event."""
@@ -98,7 +99,9 @@ class Settler(Protocol):
     """What the relay reports to (`accounting.Accounting`: metrics, the ticket, beta)."""
 
     def first_byte(self, ex: Exchange) -> None:
-        """The first body byte arrived from the backend."""
+        """The first body content arrived from the backend (for a stream: the first chunk
+        that is not only SSE comments, `comments_only`: vLLM's keep-alive comments come
+        while a request waits, before its first token)."""
 
     def content(self, ex: Exchange) -> None:
         """Content of a 200 answer (not an SSE comment) arrived from the backend."""
@@ -181,7 +184,7 @@ async def relay_stream(
         ex.idle_s,
         ex.live,
         resp.close,  # ends the read below; vLLM aborts the request
-        loop.time() if head.chunk else ex.headers_at_s or None,
+        loop.time() if head.chunk and not comments_only(head.chunk) else ex.headers_at_s or None,
     )
     try:
         watch.sending = True
@@ -192,7 +195,7 @@ async def relay_stream(
             async for chunk in _body(resp, head):
                 if ex.client_gone:
                     break
-                if first:
+                if first and not comments_only(chunk):
                     first = False
                     settler.first_byte(ex)
                 if not chunk.startswith(b":"):
@@ -240,6 +243,13 @@ async def relay_stream(
         if status == 200:
             usage = stripper.usage if stripper is not None else usage_from_sse_tail(tail)
         settler.finish(ex, status, usage)
+
+
+def comments_only(chunk: bytes) -> bool:
+    """Whether every SSE line in `chunk` is a comment (``:``...) or blank: vLLM's
+    ``: keep-alive`` (``--sse-keep-alive-interval``), sent while a request waits for its
+    first token as well as between tokens."""
+    return all(not line.strip() or line.startswith(b":") for line in chunk.split(b"\n"))
 
 
 async def _body(resp: aiohttp.ClientResponse, head: Head) -> AsyncIterator[bytes]:

@@ -236,6 +236,49 @@ def test_keep_alive_comments_from_a_frozen_replica_do_not_hold_the_stream_open()
         _settled(rig)
 
 
+def test_time_to_first_token_is_the_first_token_not_a_keep_alive_comment() -> None:
+    # A stream queued 1.2 s on a live engine, vLLM's keep-alive comments every 0.2 s
+    # meanwhile: the gateway's TTFT (and its own books: the prompt waits until then) is the
+    # first token's. Counting the first comment had recorded ~0.2 s.
+    with gateway_rig(1, proxy=TIGHT) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.stall_after_chunks = 0
+        fake.behaviour.stall_s = 1.2
+        fake.behaviour.keep_alive_s = 0.2
+        resp = _stream(rig)
+        assert resp.content.startswith(b": keep-alive")  # relayed as they came
+        assert _events(resp.content)[-1] == b"data: [DONE]"
+        text = rig.metrics()
+        url = rig.served[0].url
+        assert metric(text, "sal_ttft_seconds_count", backend=url) == 1.0
+        ttft_s = metric(text, "sal_ttft_seconds_sum", backend=url)
+        assert ttft_s is not None
+        assert ttft_s >= 1.1, ttft_s
+        _settled(rig)
+
+
+def test_a_replica_that_dies_after_keep_alive_comments_is_replaced() -> None:
+    # a sends keep-alive comments for 0.6 s (the request queued there), then crashes before
+    # its first token: nothing was generated and the client has seen nothing (its headers
+    # wait for content, `proxy.first_byte_hold_s`), so b answers the whole stream. Taking
+    # the first comment for content had sent the headers and ended the stream with an error.
+    with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
+        a, b = rig.fakes
+        a.behaviour.stall_after_chunks = 0
+        a.behaviour.stall_s = 0.6
+        a.behaviour.keep_alive_s = 0.2
+        a.behaviour.close_after_chunks = 0
+        resp = _stream(rig, max_tokens=4)
+        assert resp.status_code == 200
+        events = _events(resp.content)
+        assert events[-1] == b"data: [DONE]"
+        assert not any(b"error" in e for e in events), events
+        assert [json.loads(e[len(b"data: ") :])["backend"] for e in events[:-1]] == ["b"] * 4
+        assert (a.generation_requests, b.generation_requests) == (1, 1)
+        assert metric(rig.metrics(), "sal_first_byte_failures_total", reason="closed") == 1.0
+        _settled(rig)
+
+
 def _complete_whole(rig: Rig) -> httpx.Response:
     return httpx.post(
         f"{rig.url}/v1/completions",
