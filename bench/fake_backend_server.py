@@ -1,9 +1,9 @@
 """Serve `engine_sim.fake_vllm.FakeBackend` in a process of its own, for benchmarks and fault tests.
 
-``python -m bench.fake_backend_server --port P [--model tiny]`` runs the fake vLLM server
-(OpenAI API with ``usage``, ``/stats``, ``/metrics``) with uvicorn on uvloop + httptools on
-127.0.0.1. With the default zero delays every response is as fast as the fake can produce
-it, so what the benchmark measures on top of it is the gateway's own cost; with
+``python -m bench.fake_backend_server --port P [--model tiny] [--also-serves NAME]`` runs the
+fake vLLM server (OpenAI API with ``usage``, ``/stats``, ``/metrics``) with uvicorn on uvloop
++ httptools on 127.0.0.1. With the default zero delays every response is as fast as the fake
+can produce it, so what the benchmark measures on top of it is the gateway's own cost; with
 ``--first-byte-delay-s`` / ``--chunk-delay-s`` it paces its tokens like a real replica.
 
 Fault knobs (used by the real-process fault tests), in `FaultyFake`:
@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="fast fake vLLM backend for benchmarks")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument(
+        "--also-serves", action="append", default=[], help="a further served name (repeatable)"
+    )
     parser.add_argument("--name", default=None, help="reported as 'backend' (default fake-PORT)")
     parser.add_argument("--first-byte-delay-s", type=float, default=0.0)
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = FakeBackend(
         name=args.name or f"fake-{args.port}",
         model=args.model,
+        also_serves=tuple(args.also_serves),
         behaviour=behaviour,
         keep_received=0,
     )

@@ -323,7 +323,15 @@ def running_gateway(work: Path, model_dir: Path) -> Iterator[str]:
             fake_port = ports.take()
             backends.append(f"http://127.0.0.1:{fake_port}")
             group.start(
-                ["-m", "bench.fake_backend_server", "--port", str(fake_port)],
+                [
+                    "-m",
+                    "bench.fake_backend_server",
+                    "--port",
+                    str(fake_port),
+                    # Both configured names, as vLLM's `--served-model-name tiny tiny-trusted`.
+                    "--also-serves",
+                    Models().trusted,
+                ],
                 f"{backends[-1]}/health",
                 work / f"backend-{name}.log",
             )

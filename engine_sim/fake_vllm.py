@@ -4,7 +4,8 @@
 can tell: ``POST /v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, with ``usage``),
 ``GET /v1/models``, ``/health``, ``/stats`` (sal-stats/1, from the settable `stats`) and a
 stock-vLLM-style ``/metrics``. Like a live engine, ``/stats`` stamps a fresh ``time`` on each
-read and advances ``step`` when the settable `stats` show requests waiting or running. Knobs
+read and advances ``step`` when the settable `stats` show requests waiting or running. A
+request naming a model other than `model` gets vLLM's 404 (``NotFoundError``). Knobs
 (`FakeBehaviour`) set delays, tokens per chunk, and faults: answer 500, hang before answering,
 close the connection mid-stream, hang, 404, be slow or serve a malformed body on ``/stats``,
 freeze the engine (``/stats`` repeats its last snapshot). It records what it received
@@ -111,6 +112,8 @@ class FakeBackend:
 
     name: str = "fake"
     model: str = "tiny"
+    also_serves: tuple[str, ...] = ()
+    """Further served names (vLLM's ``--served-model-name a b``): listed and accepted."""
     behaviour: FakeBehaviour = field(default_factory=FakeBehaviour)
     stats: ReplicaStats = field(default_factory=default_stats)
     metrics_waiting: int = 0
@@ -152,7 +155,8 @@ class FakeBackend:
         elif method == "GET" and path == "/health":
             await _send(send, 200, b"", b"text/plain")
         elif method == "GET" and path == "/v1/models":
-            body = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            names = (self.model, *self.also_serves)
+            body = {"object": "list", "data": [{"id": n, "object": "model"} for n in names]}
             await _send_json(send, 200, body, self.name)
         else:
             await _send_json(send, 404, {"error": {"message": "not found", "code": 404}}, self.name)
@@ -222,6 +226,17 @@ class FakeBackend:
             await _send_json(send, 400, {"error": {"message": "bad json", "code": 400}}, self.name)
             return
         self.received.append(body)
+        requested = body.get("model") if isinstance(body, dict) else None
+        if isinstance(requested, str) and requested not in (self.model, *self.also_serves):
+            # vLLM's answer to a model it does not serve (`OpenAIServingModels.check_model`).
+            error = {
+                "message": f"The model `{requested}` does not exist.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404,
+            }
+            await _send_json(send, 404, {"error": error}, self.name)
+            return
         # `[:-0]` would be empty: 0 keeps nothing, as documented.
         del self.received[: len(self.received) - max(0, self.keep_received)]
         gone = asyncio.Event()

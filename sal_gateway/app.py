@@ -339,9 +339,25 @@ def _start_model_refresh(rt: Runtime) -> None:
         def backends(name: str = name) -> list[str]:
             return [b.url for b in rt.table.backends(name)]
 
+        def on_served(url: str, served: tuple[str, ...], name: str = name) -> None:
+            if not rt.table.set_served(name, url, served):
+                return
+            if name in served:
+                logger.info("backend %s serves model %s again: routable", url, name)
+            else:
+                logger.warning(
+                    "backend %s does not serve model %s (its /v1/models lists %s): no request "
+                    "is sent there until it does",
+                    url,
+                    name,
+                    ", ".join(served[:5]) or "nothing",
+                )
+
         rt.tasks.append(
             asyncio.create_task(
-                refresh_models(name, backends, fetch, rt.catalog, model.models_refresh_s),
+                refresh_models(
+                    name, backends, fetch, rt.catalog, model.models_refresh_s, on_served
+                ),
                 name=f"models {name}",
             )
         )

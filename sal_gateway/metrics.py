@@ -148,6 +148,12 @@ class GatewayMetrics:
             "sal_backend_ejections", "Backends ejected after failed polls", _MB, registry=r
         )
         self.healthy = Gauge("sal_backend_healthy", "1 if eligible for routing", _MB, registry=r)
+        self.serves_model = Gauge(
+            "sal_backend_serves_model",
+            "0 if the backend's /v1/models lists other models only (it gets no requests)",
+            _MB,
+            registry=r,
+        )
         self.free_kv = Gauge(
             "sal_backend_free_kv_tokens",
             "Free KV tokens (with local accounting)",
@@ -327,6 +333,7 @@ class GatewayMetrics:
         """Rewrite the per-backend gauges from the state table (called once per scrape)."""
         gauges = (
             self.healthy,
+            self.serves_model,
             self.free_kv,
             self.queued,
             self.waiting,
@@ -343,6 +350,7 @@ class GatewayMetrics:
                 labels = {"model": model, "backend": b.url}
                 eligible = b.is_eligible(now_s, table.stale_after_s)
                 self.healthy.labels(**labels).set(1 if eligible else 0)
+                self.serves_model.labels(**labels).set(1 if b.serves_other is None else 0)
                 self.free_kv.labels(**labels).set(b.free_kv_tokens())
                 self.queued.labels(**labels).set(b.queued_prefill_tokens())
                 self.waiting.labels(**labels).set(b.stats.num_waiting if b.stats else 0)

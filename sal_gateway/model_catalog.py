@@ -16,6 +16,11 @@ answer:
 * names a replica serves that are not configured models (another served name, LoRA adapters)
   are not listed: the gateway routes by configured model only.
 
+Each good answer is also handed to ``on_served(url, names)``: the app marks a backend whose
+answer lacks its model as not routable for it (`sal_gateway.state`), and such a backend is
+re-read every `RETRY_S`, so a replica restarted with the right name serves again within a
+second.
+
 A failed read keeps the backend's last good answer (the pollers eject dead backends); a
 backend that leaves the pool (discovery) is forgotten.
 """
@@ -120,14 +125,26 @@ async def refresh_models(
     fetch: Fetch,
     catalog: ModelCatalog,
     interval_s: float,
+    on_served: Callable[[str, tuple[str, ...]], None] | None = None,
 ) -> None:
-    """Keep `catalog` current for `model` until cancelled (see the module docstring)."""
+    """Keep `catalog` current for `model` until cancelled, telling `on_served` what each
+    backend that answered serves (see the module docstring)."""
+    elsewhere: set[str] = set()
     while True:
         urls = backends()
         catalog.retain(model, urls)
+        elsewhere.intersection_update(urls)
         results = await asyncio.gather(*(fetch(u) for u in urls))
         for url, cards in zip(urls, results, strict=True):
-            if cards is not None:
-                catalog.update(model, url, cards)
-        waiting = any(not catalog.known(model, u) for u in urls)
+            if cards is None:
+                continue
+            catalog.update(model, url, cards)
+            names = tuple(str(c["id"]) for c in cards)
+            if model in names:
+                elsewhere.discard(url)
+            else:
+                elsewhere.add(url)
+            if on_served is not None:
+                on_served(url, names)
+        waiting = bool(elsewhere) or any(not catalog.known(model, u) for u in urls)
         await asyncio.sleep(min(RETRY_S, interval_s) if waiting else interval_s)

@@ -226,7 +226,7 @@ class Forwarder:
                 chosen, degraded = self._degraded_policy, True
                 decision = chosen.select(route, views)
         except NoEligibleBackend:
-            raise NoBackendAvailable(f"no eligible backend for model {model!r}") from None
+            raise self._none_available(model) from None
         finally:
             elapsed_s = time.perf_counter() - started
             if policy is None:
@@ -361,6 +361,20 @@ class Forwarder:
             raise UpstreamTimeout(message)
         raise UpstreamError(message)
 
+    def _none_available(self, model: str) -> NoBackendAvailable:
+        """The 503 for `model` having no backend to route to, saying when some of its
+        backends serve other models (a configuration error; their names are in the log,
+        not told to clients)."""
+        message = f"no eligible backend for model {model!r}"
+        elsewhere = len(self._table.serving_elsewhere(model))
+        if elsewhere:
+            total = len(self._table.backends(model))
+            message += (
+                f": {elsewhere} of its {total} backends do not serve it (their /v1/models "
+                "lists other models; see the gateway's log)"
+            )
+        return NoBackendAvailable(message)
+
     async def _choose_after_catch_up(
         self, model: str, choose: Callable[[], tuple[str, BackendView, Policy]]
     ) -> tuple[str, BackendView, Policy]:
@@ -376,7 +390,7 @@ class Forwarder:
         seen_s = self._table.last_outcome_s(model)
         behind = pollers_behind(self._table.backends(model), started_s, self._routing)
         if seen_s is None or not behind:
-            raise NoBackendAvailable(f"no eligible backend for model {model!r}")
+            raise self._none_available(model)
         logger.warning(
             "polls of model %s are overdue (the gateway was not scheduled?): "
             "waiting up to %.1f s for the pollers",
@@ -390,7 +404,7 @@ class Forwarder:
                 seen_s = latest_s
                 with contextlib.suppress(NoBackendAvailable):
                     return choose()
-        raise NoBackendAvailable(f"no eligible backend for model {model!r}")
+        raise self._none_available(model)
 
     async def _post_watched(
         self, url: str, body: bytes, headers: Mapping[str, str], ex: Exchange

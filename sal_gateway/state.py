@@ -28,6 +28,11 @@ Rules:
   polls time out on a busy host while its streams deliver tokens serves; it is ejected from
   SAL's choice (its state is unknown) but stays a degraded candidate, so a fleet whose
   other replicas are down answers rather than 503s. A frozen API server relays nothing.
+* **A backend must serve the model.** One whose ``/v1/models`` answered without the pool's
+  model (a wrong address, a replica started with another ``--served-model-name``: every
+  request sent there meets vLLM's 404) is neither eligible nor a degraded candidate until an
+  answer lists the model again (`StateTable.set_served`, fed by `sal_gateway.model_catalog`).
+  Not read yet, or the read failed: it is taken to serve it.
 * A connect failure seen by the proxy marks it *suspect* (not eligible) until its next good
   poll, so retries and the next requests avoid it without waiting for N poll failures.
 * **Accounting between polls never forgets.** Each routed request's prompt tokens are added
@@ -109,6 +114,9 @@ class BackendState:
     stream_pending_tokens: int = 0
     """Of those, the streamed requests' (a floor under the queue a ``/stats`` reports)."""
     removed: bool = False
+    serves_other: tuple[str, ...] | None = None
+    """What the backend's ``/v1/models`` listed when it did not list the pool's model; None
+    while it serves the model (or has not answered)."""
     relayed_s: float | None = None
     """Gateway time at which content from this backend last reached the gateway (a response
     body chunk of a request routed to it): its API server and engine answer."""
@@ -138,6 +146,7 @@ class BackendState:
             and not self.ejected
             and not self.suspect
             and not self.removed
+            and self.serves_other is None
         )
 
     def free_kv_tokens(self) -> int:
@@ -325,6 +334,21 @@ class StateTable:
             return True
         return False
 
+    def set_served(self, model: str, url: str, served: tuple[str, ...]) -> bool:
+        """`url` answered ``/v1/models`` with the model names `served`: it is routable for
+        `model` only if they include it. Returns True when that changed."""
+        backend = self.get(model, url)
+        if backend is None:
+            return False
+        other = None if model in served else served
+        changed = (other is None) != (backend.serves_other is None)
+        backend.serves_other = other
+        return changed
+
+    def serving_elsewhere(self, model: str) -> list[BackendState]:
+        """`model`'s backends whose ``/v1/models`` lists other models only."""
+        return [b for b in self._pools.get(model, {}).values() if b.serves_other is not None]
+
     def mark_suspect(self, model: str, url: str) -> None:
         """The proxy could not connect: avoid the backend until its next good poll."""
         backend = self.get(model, url)
@@ -363,7 +387,7 @@ class StateTable:
         pool = self._pools.get(model, {}).values()
         ages: dict[str, float] = {}
         for b in pool:
-            if b.removed:
+            if b.removed or b.serves_other is not None:
                 continue
             age = b.progress_age_s(now_s)
             if b.ejected or b.suspect or (age is not None and age > max_age_s):

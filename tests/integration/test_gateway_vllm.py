@@ -28,6 +28,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from engine_sim.fake_vllm import FakeBackend, ServedBackend
 from tests.gateway_support import free_port, gateway_config, metric, run_gateway, scrape_metrics
 from tests.vllm_support import DEFAULT_ARGS, run_replica
 
@@ -330,6 +331,44 @@ class TestPatchedPair:
         # vLLM answers 400 for a negative temperature; the gateway relays status and body.
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=MODEL, prompt="x", temperature=-1.0, max_tokens=2)
+
+    def test_a_backend_that_serves_another_model_gets_no_request(
+        self, replicas: list[str], tiny_model_dir: Path
+    ) -> None:
+        """A wrong address in the config: model ``tiny``'s pool holds a real replica and one
+        serving ``other`` (vLLM's 404 for every request); model ``ghost``'s pool holds a real
+        replica serving ``tiny`` only. The gateway reads each backend's ``/v1/models``: tiny's
+        requests all reach the real replica, ghost's get a 503 that says why."""
+        with ExitStack() as stack:
+            wrong = FakeBackend(name="wrong", model="other")
+            wrong_url = stack.enter_context(ServedBackend(wrong))
+            port = free_port(19700, 19800)
+            config = gateway_config(port, [replicas[0], wrong_url], tokenizer=tiny_model_dir)
+            config["models"].append({"name": "ghost", "backends": [replicas[1]]})
+            url = stack.enter_context(run_gateway(config, wait_ready=False))
+
+            def serves(model: str, backend: str) -> float:
+                samples = scrape_metrics(url)
+                return metric(samples, "sal_backend_serves_model", model=model, backend=backend)
+
+            deadline = time.monotonic() + 30.0
+            while serves("tiny", wrong_url) or serves("ghost", replicas[1]):
+                assert time.monotonic() < deadline, "the wrong backends were never noticed"
+                time.sleep(0.1)
+            assert serves("tiny", replicas[0]) == 1.0
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+                for _ in range(8):
+                    answer = c.completions.create(
+                        model=MODEL, prompt="hello", max_tokens=MAX_TOKENS, extra_body=IGNORE_EOS
+                    )
+                    assert answer.choices[0].text is not None
+                with pytest.raises(openai.InternalServerError) as refused:
+                    c.completions.create(model="ghost", prompt="hello", max_tokens=MAX_TOKENS)
+            assert not wrong.received  # nothing was sent to the wrong replica
+            assert refused.value.status_code == 503
+            assert "1 of its 1 backends do not serve it" in str(refused.value)
+            listed = httpx.get(f"{url}/v1/models", timeout=5.0).json()["data"]
+            assert [m["id"] for m in listed] == [MODEL]
 
 
 class TestStockReplica:

@@ -399,3 +399,30 @@ def test_client_leaving_during_the_hold_cancels_the_upstream_request() -> None:
         text = rig.metrics()
         assert metric(text, "sal_requests_total", status="499") == 1.0
         assert metric(text, "sal_upstream_cancels_total", reason="client_disconnect") == 1.0
+
+
+def test_a_replica_serving_another_model_gets_no_request_until_it_serves_this_one() -> None:
+    """A replica restarted with another ``--served-model-name`` (or a wrong address in the
+    config): vLLM answers each request for our model with a 404. The gateway reads that from
+    the replica's ``/v1/models`` and stops sending it anything (measured without this: 10 of
+    20 round-robin requests answered 404 "The model `tiny` does not exist.")."""
+    refresh = {"models": [{"models_refresh_s": 0.2}]}
+    with gateway_rig(2, routing={"policy": "round_robin"}, extra=refresh) as rig:
+        a, b = rig.fakes
+        b_url = rig.served[1].url
+        b.model = "other"
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_serves_model", backend=b_url) == 0.0)
+        answers = [_complete(rig.url) for _ in range(20)]
+        assert [r.status_code for r in answers] == [200] * 20
+        assert {_answered_by(r) for r in answers} == {"a"}
+        assert metric(rig.metrics(), "sal_backend_healthy", backend=b_url) == 0.0
+        # Neither serves it: a 503 that says why (the names stay in the gateway's log).
+        a.model = "other"
+        wait_until(lambda: _complete(rig.url).status_code == 503)
+        refused = _complete(rig.url)
+        assert "2 of its 2 backends do not serve it" in refused.json()["error"]["message"]
+        assert httpx.get(f"{rig.url}/ready", timeout=5.0).status_code == 503
+        # Restarted with the right name: routable again within a re-read (every second).
+        a.model = b.model = MODEL
+        wait_until(lambda: httpx.get(f"{rig.url}/ready", timeout=5.0).status_code == 200)
+        assert {_answered_by(_complete(rig.url)) for _ in range(4)} == {"a", "b"}

@@ -8,6 +8,7 @@ route it on a wrong size); a malformed body reaching vLLM instead of a 400 namin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import vllm
 
+from sal_gateway import model_catalog
 from sal_gateway.api_body import parse_api_body
 from sal_gateway.endpoints import (
     BY_PATH,
@@ -29,7 +31,7 @@ from sal_gateway.endpoints import (
     serves,
 )
 from sal_gateway.errors import BadRequest
-from sal_gateway.model_catalog import ModelCatalog, parse_cards
+from sal_gateway.model_catalog import Card, ModelCatalog, parse_cards, refresh_models
 from sal_gateway.request_body import Endpoint, parse_body
 from sal_gateway.tokenizer import load_model_tokenizer
 from sal_gateway.usage import usage_from_json, usage_from_sse_tail
@@ -292,3 +294,42 @@ def test_models_listing_is_the_union_of_what_replicas_serve() -> None:
 )
 def test_a_malformed_models_answer_is_ignored(raw: bytes) -> None:
     assert parse_cards(raw) in (None, ())
+
+
+def test_refresh_reports_what_each_replica_serves_and_rereads_a_wrong_one_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(model_catalog, "RETRY_S", 0.05)
+    serving = {"http://a": "tiny", "http://b": "other"}  # b: started with another name
+    reads: dict[str, int] = {"http://a": 0, "http://b": 0}
+    told: list[tuple[str, tuple[str, ...]]] = []
+
+    async def fetch(url: str) -> tuple[Card, ...] | None:
+        reads[url] += 1
+        return ({"id": serving[url], "object": "model"},)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(
+            refresh_models(
+                "tiny",
+                lambda: list(serving),
+                fetch,
+                ModelCatalog(),
+                interval_s=60.0,
+                on_served=lambda url, names: told.append((url, names)),
+            )
+        )
+        await asyncio.sleep(0.3)
+        # b is re-read every RETRY_S, not every 60 s: fixed, it is seen at once.
+        assert reads["http://b"] >= 3
+        serving["http://b"] = "tiny"
+        await asyncio.sleep(0.2)
+        settled = reads["http://b"]
+        await asyncio.sleep(0.3)
+        assert reads["http://b"] == settled  # serves it now: back to the normal interval
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert told[0] == ("http://a", ("tiny",))
+    assert told[1] == ("http://b", ("other",))
+    assert told[-1] == ("http://b", ("tiny",))

@@ -455,3 +455,22 @@ def test_last_outcome_counts_failed_polls_too() -> None:
     table.record_poll_failure("m", A)  # no time given: not an outcome it can place
     assert table.last_outcome_s("m") == 12.5
     assert table.last_outcome_s("other") is None
+
+
+def test_a_backend_that_serves_another_model_gets_nothing_until_it_serves_this_one() -> None:
+    table = _table()
+    for url in (A, B):
+        table.record_poll_success("m", url, default_stats(), "stats", now_s=10.0)
+    assert table.set_served("m", B, ("other",))  # a wrong address: vLLM would answer 404
+    assert [v.eligible for v in table.views("m", 10.0)] == [True, False]
+    assert [b.url for b in table.serving_elsewhere("m")] == [B]
+    # Not even a degraded candidate: every request sent there would fail.
+    assert [v.eligible for v in table.degraded_views("m", 12.0, 10.0)] == [True, False]
+    assert not table.set_served("m", B, ("other", "x"))  # no change
+    assert table.set_served("m", A, ("other",))
+    assert not table.is_ready(10.0)
+    assert table.set_served("m", A, ("m", "other"))  # serves it among others: routable
+    assert table.set_served("m", B, ("m",))
+    assert [v.eligible for v in table.views("m", 10.0)] == [True, True]
+    assert table.serving_elsewhere("m") == []
+    assert not table.set_served("m", "http://unknown:1", ("other",))
