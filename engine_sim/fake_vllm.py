@@ -61,6 +61,10 @@ def default_stats(model: str = "tiny") -> ReplicaStats:
     )
 
 
+BODY_PIECE_BYTES = 1 << 20
+"""A non-streamed answer larger than this is sent chunked, in pieces of this size."""
+
+
 @dataclass(slots=True)
 class FakeBehaviour:
     """How the fake answers (mutable at any time; read per request)."""
@@ -79,7 +83,8 @@ class FakeBehaviour:
     """Never answer generation requests (until the client goes away)."""
     close_after_chunks: int | None = None
     """Drop the connection after this many SSE chunks (a crash mid-stream; after the stall,
-    if one comes at the same point)."""
+    if one comes at the same point), or, for a non-streamed answer over `BODY_PIECE_BYTES`,
+    after this many of its pieces."""
     stats_hang: bool = False
     """``/stats`` never answers."""
     stats_status: int = 200
@@ -305,7 +310,7 @@ class FakeBackend:
                 "backend": self.name,
                 "echo": body,
             }
-            await _send_json(send, 200, obj, self.name)
+            await self._send_large_json(send, obj, gone)
             return
         await send(
             {
@@ -365,6 +370,31 @@ class FakeBackend:
                 }
             )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _send_large_json(self, send: Send, obj: object, gone: asyncio.Event) -> None:
+        """A non-streamed answer: up to `BODY_PIECE_BYTES`, one message with its length; a
+        larger one chunked in pieces of that size, `FakeBehaviour.chunk_delay_s` apart, the
+        connection dropped after `FakeBehaviour.close_after_chunks` pieces (a crash while
+        sending a long answer)."""
+        data = json.dumps(obj).encode()
+        if len(data) <= BODY_PIECE_BYTES:
+            await _send(
+                send, 200, data, b"application/json", [(b"x-fake-backend", self.name.encode())]
+            )
+            return
+        headers = [(b"content-type", b"application/json"), (b"x-fake-backend", self.name.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        b = self.behaviour
+        for n, at in enumerate(range(0, len(data), BODY_PIECE_BYTES)):
+            if gone.is_set():
+                return
+            if b.close_after_chunks is not None and n >= b.close_after_chunks:
+                raise ConnectionAbortedError("fake backend crashed while sending its answer")
+            piece = data[at : at + BODY_PIECE_BYTES]
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            if b.chunk_delay_s > 0:
+                await asyncio.sleep(b.chunk_delay_s)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stall(self, send: Send, gone: asyncio.Event) -> bool:
         """Send nothing but keep-alive comments for the stall (`FakeBehaviour.stall_s`);

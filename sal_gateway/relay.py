@@ -1,8 +1,11 @@
 """Relaying one upstream answer to the client: a stream byte for byte, or a whole body.
 
 `relay_answer` turns the backend's response (headers received) into the client's response:
-a `RelayResponse` for a 200 event stream, otherwise the body read whole and passed on with
-the backend's status. `RelayResponse`'s contract:
+a `RelayResponse` for a 200 event stream, otherwise the body passed on with the backend's
+status: read whole when it is at most `BUFFERED_BODY_BYTES` (almost every answer), else
+relayed as it arrives (`PassThroughResponse`), so a huge answer (long logprobs, a large
+embeddings batch, a broken replica) cannot exhaust the gateway's memory. `RelayResponse`'s
+contract:
 
 * The client gets the headers with the first body bytes the forwarder already read
   (`Head`; see `proxy` for why it holds them), then the backend's bytes as they arrive,
@@ -27,7 +30,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import aiohttp
 from starlette.responses import Response
@@ -43,12 +46,19 @@ from sal_gateway.usage import (
     USAGE_TAIL_BYTES,
     UsageStripper,
     usage_from_json,
+    usage_from_json_tail,
     usage_from_sse_tail,
 )
 
 logger = logging.getLogger("sal_gateway.proxy")
 
 SSE_DONE = b"data: [DONE]\n\n"
+HeadT = TypeVar("HeadT")
+BUFFERED_BODY_BYTES = 4 << 20
+"""A non-streamed answer up to this size is read whole before the client gets its headers
+(a failure while reading it is a clean 502/504, and usage is parsed from the whole body);
+a larger one (long logprobs, a big embeddings batch) is passed through as it arrives
+(`PassThroughResponse`), so no answer costs the gateway more memory than this."""
 
 
 def sse_error_event(exc: GatewayError) -> bytes:
@@ -122,13 +132,12 @@ async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None])
     on_disconnect()
 
 
-class RelayResponse(Response):
-    """Streams an upstream SSE response to the client chunk by chunk, without buffering.
+class _Relayed(Response, Generic[HeadT]):
+    """A response whose body the backend is still sending: relayed as it arrives by
+    `_relay`, while one asyncio task watches for the client's disconnect and then closes the
+    upstream connection, which ends the relay at once and makes the backend abort.
 
-    Cheaper than Starlette's `StreamingResponse` (no anyio task group per stream): one asyncio
-    task watches for the client's disconnect and then closes the upstream connection, which
-    ends the relay loop at once and makes the backend abort the generation.
-    """
+    Cheaper than Starlette's `StreamingResponse` (no anyio task group per response)."""
 
     def __init__(
         self,
@@ -137,10 +146,10 @@ class RelayResponse(Response):
         resp: aiohttp.ClientResponse,
         headers: Mapping[str, str],
         media_type: str,
-        head: Head,
+        head: HeadT,
     ) -> None:
         # Not Response.__init__: it would render an empty body and add Content-Length: 0.
-        self.status_code = 200
+        self.status_code = resp.status
         self.media_type = media_type
         self.background = None
         self.init_headers(headers)
@@ -148,6 +157,7 @@ class RelayResponse(Response):
         self._ex = ex
         self._resp = resp
         self._head = head
+        """What was read of the body before the client's headers went out."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ex, resp = self._ex, self._resp
@@ -158,9 +168,19 @@ class RelayResponse(Response):
 
         watcher = asyncio.ensure_future(_watch_disconnect(receive, client_gone))
         try:
-            await relay_stream(self._settler, ex, resp, self.raw_headers, send, self._head)
+            await self._relay(send)
         finally:
             watcher.cancel()
+
+    async def _relay(self, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RelayResponse(_Relayed[Head]):
+    """Streams an upstream SSE response to the client chunk by chunk (`relay_stream`)."""
+
+    async def _relay(self, send: Send) -> None:
+        await relay_stream(self._settler, self._ex, self._resp, self.raw_headers, send, self._head)
 
 
 async def relay_stream(
@@ -245,6 +265,72 @@ async def relay_stream(
         settler.finish(ex, status, usage)
 
 
+async def _read_up_to(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """`resp`'s body if it ends within `limit` bytes (True), else its first bytes, a little
+    over `limit` (False: the rest is still to read)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await resp.content.readany():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks), False
+    return b"".join(chunks), True
+
+
+class PassThroughResponse(_Relayed[bytes]):
+    """A non-streamed answer too large to hold (over `BUFFERED_BODY_BYTES`): the backend's
+    status and headers, the bytes already read, then the rest as it arrives, never more than
+    one chunk in the gateway's memory. Usage is read from the body's last bytes
+    (`usage_from_json_tail`). A client disconnect closes the upstream connection (vLLM
+    aborts). A failure of the backend after the headers went out cannot become an error
+    status any more: the client's connection is closed without completing the body (a
+    truncated chunked or ``Content-Length`` body, which every HTTP client reports as an
+    error), counted in ``sal_stream_errors_total`` and logged."""
+
+    async def _relay(self, send: Send) -> None:
+        ex, resp, settler = self._ex, self._resp, self._settler
+        tail = self._head[-USAGE_TAIL_BYTES:]
+        status = resp.status
+        complete = False
+        try:
+            await send(
+                {"type": "http.response.start", "status": status, "headers": self.raw_headers}
+            )
+            await send({"type": "http.response.body", "body": self._head, "more_body": True})
+            try:
+                async for chunk in resp.content.iter_any():
+                    if ex.client_gone:
+                        break
+                    tail = (tail + chunk)[-USAGE_TAIL_BYTES:]
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if not ex.client_gone:
+                    resp.close()
+                    settler.stream_failed(ex, exc)
+                    return  # the client's body stays incomplete: the server closes it
+            if ex.client_gone:
+                status = 499
+                settler.upstream_cancelled(ex, "client_disconnect")
+                return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            complete = True
+        except BaseException:  # cancelled (shutdown) or the send to the client failed
+            if status != 499:
+                settler.upstream_cancelled(ex, "aborted")
+            status = 499
+            raise
+        finally:
+            if complete:
+                resp.release()
+            else:
+                resp.close()
+            usage = None
+            if complete and status == 200 and "Content-Encoding" not in resp.headers:
+                usage = usage_from_json_tail(tail)
+            settler.finish(ex, status, usage)
+
+
 def comments_only(chunk: bytes) -> bool:
     """Whether every SSE line in `chunk` is a comment (``:``...) or blank: vLLM's
     ``: keep-alive`` (``--sse-keep-alive-interval``), sent while a request waits for its
@@ -307,8 +393,9 @@ async def relay_answer(
 ) -> Response:
     """The client's response for `resp` (its headers received): a `RelayResponse` for a
     requested stream the backend answers with 200 ``text/event-stream``, otherwise the body
-    read whole (bounded by the request's aiohttp timeout) with the backend's status. `head`:
-    what the forwarder already read of the stream's body.
+    with the backend's status: read whole (bounded by the request's aiohttp timeout) when it
+    is at most `BUFFERED_BODY_BYTES`, else a `PassThroughResponse` relaying it as it comes.
+    `head`: what the forwarder already read of the stream's body.
 
     A body that breaks while being read: `UpstreamError` (`UpstreamTimeout` past the total
     bound), already counted. Every path but the returned `RelayResponse` settles `ex`."""
@@ -318,7 +405,7 @@ async def relay_answer(
         headers = response_headers(resp)
         return RelayResponse(settler, ex, resp, headers, content_type, head or Head())
     try:
-        body = await resp.read()
+        body, whole = await _read_up_to(resp, BUFFERED_BODY_BYTES)
     except (aiohttp.ClientError, TimeoutError) as exc:
         resp.close()
         ex.span.outcome(type(exc).__name__)
@@ -340,6 +427,9 @@ async def relay_answer(
     settler.first_byte(ex)
     if resp.status == 200:
         settler.content(ex)
+    if not whole:
+        headers = response_headers(resp)
+        return PassThroughResponse(settler, ex, resp, headers, content_type, body)
     usage = None
     if resp.status == 200 and "Content-Encoding" not in resp.headers:
         usage = usage_from_json(body)

@@ -1,6 +1,7 @@
 """Reading ``usage`` (prompt and completion tokens) from backend responses (pure).
 
-The proxy calls `usage_from_json()` on every non-streaming 200 body and
+The proxy calls `usage_from_json()` on every non-streaming 200 body it reads whole,
+`usage_from_json_tail()` on the last bytes of one too large for that (passed through), and
 `usage_from_sse_tail()` on the last bytes of every finished stream; the counts feed
 `BetaEstimator` and ``sal_output_tokens_total``. vLLM puts ``usage`` in non-streaming responses
 always, and in a last, usage-only SSE event only when asked with
@@ -24,6 +25,29 @@ def usage_from_json(body: bytes) -> tuple[int, int] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return _usage_of(obj)
+
+
+def usage_from_json_tail(tail: bytes) -> tuple[int, int] | None:
+    """The ``usage`` member found in the last bytes of a JSON body too large to parse whole
+    (vLLM writes it after ``choices`` / ``data``, near the end): the last ``"usage":{...}``
+    in `tail` that decodes as an object with valid counts. Text inside a JSON string cannot
+    match (its quotes are escaped)."""
+    text = tail.decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    end = len(text)
+    while (at := text.rfind('"usage"', 0, end)) >= 0:
+        end = at
+        rest = text[at + len('"usage"') :].lstrip()
+        if not rest.startswith(":"):
+            continue
+        try:
+            value, _ = decoder.raw_decode(rest[1:].lstrip())
+        except ValueError:
+            continue
+        found = _usage_of({"usage": value})
+        if found is not None:
+            return found
+    return None
 
 
 def _usage_of(obj: object) -> tuple[int, int] | None:

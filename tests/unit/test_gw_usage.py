@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sal_gateway.usage import (
     UsageStripper,
     usage_from_json,
+    usage_from_json_tail,
     usage_from_sse_tail,
     with_usage_requested,
 )
@@ -75,3 +76,26 @@ def test_stripper_keeps_usage_inside_normal_chunks_and_held_bytes() -> None:
     assert stripper.usage is None
     assert stripper.feed(b"data: {partial") == b""
     assert stripper.flush() == b"data: {partial"
+
+
+def test_usage_is_found_in_the_tail_of_a_json_body_too_large_to_parse_whole() -> None:
+    # vLLM's shape: usage after the (huge) choices; the tail starts mid-text, mid-character.
+    text = "é" * 50_000 + ' said "usage": {"prompt_tokens": 1, "completion_tokens": 1}'
+    body = json.dumps(
+        {
+            "choices": [{"index": 0, "text": text}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": None},
+            "kv_transfer_params": None,
+        },
+        ensure_ascii=False,
+    ).encode()
+    tail = body[-16384 + 1 :]  # cuts a 2-byte character in half
+    assert usage_from_json_tail(tail) == (12, 3)
+    # Quoted inside generated text only (escaped quotes), or cut off: nothing is made up.
+    only_text = json.dumps({"choices": [{"text": text}]}).encode()
+    assert usage_from_json_tail(only_text[-16384:]) is None
+    assert usage_from_json_tail(body[: body.rindex(b'"usage"') + 20]) is None
+    embeddings = (
+        b'..., 0.25]}], "usage": {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}}'
+    )
+    assert usage_from_json_tail(embeddings) == (7, 0)
