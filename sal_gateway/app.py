@@ -44,6 +44,7 @@ from sal_gateway.admission import (
 from sal_gateway.auth import KeyChecker, backend_key, is_loopback, load_keys
 from sal_gateway.body_pool import BodyPool
 from sal_gateway.config import GatewayConfig, ModelConfig
+from sal_gateway.drain import Drain, uncancel_current_task
 from sal_gateway.endpoints import ENDPOINTS, LEGACY_PATHS, ApiEndpoint, route_policy
 from sal_gateway.error_handlers import error_response, install_error_handlers
 from sal_gateway.errors import (
@@ -108,6 +109,8 @@ class Runtime:
     """What each replica holds in its prefix cache (None: ``routing.prefix_cache: off``)."""
     kv_events: KvEventSubscribers | None = None
     """Subscribers to the replicas' KV-cache events (``routing.prefix_cache: kv_events``)."""
+    drain: Drain = field(default_factory=Drain)
+    """Whether the process is shutting down (`sal_gateway.drain`)."""
 
     async def aclose(self) -> None:
         for task in self.tasks:
@@ -179,8 +182,11 @@ async def build_runtime(
     counters: Mapping[str, PromptCounter] | None = None,
     resolve: Resolver | None = None,
     clock: Callable[[], float] = time.monotonic,
+    drain: Drain | None = None,
 ) -> Runtime:
-    """Build and start everything (pollers, discovery); call inside the running loop."""
+    """Build and start everything (pollers, discovery); call inside the running loop.
+    `drain`: the process's shutdown state (`sal_gateway.drain`; a new one when None)."""
+    drain = Drain() if drain is None else drain
     if counters is None:
         counters = await asyncio.to_thread(load_counters, config)
     routing = config.routing
@@ -212,6 +218,7 @@ async def build_runtime(
         proxy=config.proxy,
         clock=clock,
         prefix=prefix,
+        drain=drain,
     )
     runtime = Runtime(
         config=config,
@@ -224,6 +231,7 @@ async def build_runtime(
         forwarder=forwarder,
         clock=clock,
         prefix=prefix,
+        drain=drain,
     )
     if prefix is not None:
         poller.on_stats = runtime.on_stats
@@ -275,6 +283,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
         await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this handler itself is cancelled (shutdown): take the work along
         work_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work_task  # its upstream connection closed (vLLM aborts), its ticket freed
         raise
     finally:
         watch_task.cancel()
@@ -313,6 +323,15 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
         return await _unless_disconnected(request, forward)
     except ClientDisconnect:
         return Response(status_code=499)  # went away while sending its body
+    except asyncio.CancelledError as cancelled:
+        if not rt.drain.is_shutdown(cancelled):
+            raise
+        # Still unanswered when the shutdown grace ran out: a clean 503, not a dropped
+        # connection (the upstream one is closed already).
+        uncancel_current_task()
+        exc = rt.drain.error()
+        rt.metrics.requests.labels(model=model_label, backend="none", status="503").inc()
+        return error_response(exc)
     except GatewayError as exc:
         count_rejection(rt, exc)
         if not exc.counted:
@@ -411,12 +430,15 @@ def create_app(
     `tracing` replaces the one ``config.tracing`` describes (tests: an in-memory exporter).
     Raises `TracingError` when tracing is enabled but cannot be set up."""
     upstream_key = backend_key(config.auth)  # read now: a bad key file fails before serving
+    drain = Drain()
     if tracing is None:
         tracing = build_tracing(config.tracing, os.environ)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await build_runtime(config, counters=counters, resolve=resolve, clock=clock)
+        runtime = await build_runtime(
+            config, counters=counters, resolve=resolve, clock=clock, drain=drain
+        )
         runtime.backend_key = upstream_key
         _start_model_refresh(runtime)
         runtime.tasks.append(
@@ -453,6 +475,7 @@ def create_app(
         openapi_url=None,
     )
 
+    app.state.drain = drain  # the server's signal handler starts the drain (`cli`)
     install_error_handlers(app)
     _front_door(app, config)
     if tracing is not None:  # outermost: rejected requests (401, 429) get their span too
@@ -509,12 +532,15 @@ def create_app(
         workers_ready = (rt.bodies is None or rt.bodies.ready) and (
             rt.templates is None or rt.templates.ready
         )
-        is_ready = workers_ready and all(
-            n > 0 or model in degraded for model, n in per_model.items()
+        is_ready = (
+            workers_ready
+            and not rt.drain.draining
+            and all(n > 0 or model in degraded for model, n in per_model.items())
         )
         return JSONResponse(
             {
                 "ready": is_ready,
+                "draining": rt.drain.draining,
                 "eligible_backends": per_model,
                 "degraded_models": degraded,
                 "workers_ready": workers_ready,

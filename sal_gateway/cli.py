@@ -127,6 +127,7 @@ def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> 
 
     from sal_gateway.app import Runtime, create_app, load_counters
     from sal_gateway.http_protocol import deadline_protocol
+    from sal_gateway.server import DrainingServer
 
     counters = load_counters(config)
     logging.basicConfig(
@@ -143,7 +144,7 @@ def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> 
     # Tokenizers and transformers leave ~10^5 long-lived objects; every full garbage collection
     # would scan them all on the event loop's thread. Frozen, they are skipped.
     gc.freeze()
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=listen.host,
@@ -152,9 +153,12 @@ def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> 
             http=deadline_protocol(listen.header_timeout_s, listen.body_timeout_s, on_timeout),
             log_level=config.log_level,
             access_log=False,  # one line per request costs ~10% throughput; metrics cover it
-            timeout_graceful_shutdown=5,
+            # uvicorn passes it to asyncio.timeout: seconds as a float work (typed int).
+            timeout_graceful_shutdown=listen.shutdown_grace_s,  # type: ignore[arg-type]
             timeout_keep_alive=max(1, round(listen.keep_alive_s)),
-        )
+        ),
+        app.state.drain,
+        listen.shutdown_delay_s,
     )
     with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
         server.run(sockets=sockets)

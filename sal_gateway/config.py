@@ -54,6 +54,14 @@ class ListenConfig:
     body_timeout_s: float = 30.0
     """A request body must arrive completely within this many seconds of its headers; else
     408 and the connection is closed (slow-body clients)."""
+    shutdown_delay_s: float = 0.0
+    """After SIGTERM, keep accepting and serving this long while ``/ready`` answers 503
+    (``draining``), so a load balancer or Kubernetes Service stops sending first (their
+    endpoint updates lag the signal by seconds). See `sal_gateway.drain`."""
+    shutdown_grace_s: float = 30.0
+    """Then stop accepting and let requests in flight finish for at most this long; a stream
+    still open after it ends with an SSE error event (503 ``gateway_shutdown``), a request
+    not answered yet gets that 503; vLLM aborts both."""
     workers: int = 1
     """Gateway processes sharing `port` (``SO_REUSEPORT``: the kernel spreads connections
     over them), so one host's cores can all serve. Each is a whole gateway: its own pollers,
@@ -426,6 +434,12 @@ def _listen(path: str, data: Mapping[str, Any]) -> ListenConfig:
         ),
         body_timeout_s=_as_float(
             f"{path}.body_timeout_s", data.get("body_timeout_s", d.body_timeout_s)
+        ),
+        shutdown_delay_s=_nonnegative(
+            f"{path}.shutdown_delay_s", data.get("shutdown_delay_s", d.shutdown_delay_s)
+        ),
+        shutdown_grace_s=_nonnegative(
+            f"{path}.shutdown_grace_s", data.get("shutdown_grace_s", d.shutdown_grace_s)
         ),
         **_workers(path, data, port),
     )

@@ -68,6 +68,7 @@ from sal_core.policies import (
 )
 from sal_gateway.accounting import Accounting
 from sal_gateway.config import ProxyConfig, RoutingConfig
+from sal_gateway.drain import Drain
 from sal_gateway.errors import GatewayError, NoBackendAvailable, UpstreamError, UpstreamTimeout
 from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.metrics import GatewayMetrics
@@ -157,8 +158,10 @@ class Forwarder:
         proxy: ProxyConfig,
         clock: Callable[[], float] = time.monotonic,
         prefix: PrefixTracker | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self._session = session
+        self._drain = drain
         self._fresh: aiohttp.ClientSession | None = None
         """One connection per request, for the retry after a stale pooled connection
         (created on first use, closed by `aclose`)."""
@@ -334,6 +337,7 @@ class Forwarder:
             ex.span = trace.upstream(url, inbound.upstream_path)
             ex.idle_s = self._proxy.stream_idle_timeout_s
             ex.fresh_connection = fresh
+            ex.drain = self._drain
             if self._proxy.stream_idle_spares_live_engines:
                 ex.live = functools.partial(self._is_live, model, url)
             try:

@@ -19,6 +19,8 @@ contract:
   request. Never retried: bytes may have been relayed.
 * Any other failure after the headers (reset, total timeout) ends the same way.
 * A client disconnect closes the upstream connection at once (vLLM aborts the generation).
+* The gateway's shutdown (its grace over, `sal_gateway.drain`) ends the stream with an error
+  event (503 ``gateway_shutdown``) and ``[DONE]``, and closes the upstream connection.
 * The `Settler` (`accounting.Accounting`) is told exactly once how the exchange ended (`finish`), on
   every exit path, so the state-table ticket is always released.
 """
@@ -26,6 +28,7 @@ contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -36,6 +39,7 @@ import aiohttp
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from sal_gateway.drain import Drain, uncancel_current_task
 from sal_gateway.errors import GatewayError, UpstreamError, UpstreamTimeout
 from sal_gateway.errors import error_body as _error_body
 from sal_gateway.idle_watch import IdleWatch
@@ -91,6 +95,9 @@ class Exchange:
     """Whether the request went out on a reused pooled connection (set by the session)."""
     fresh_connection: bool = False
     """Send on a new connection of its own (the retry after a stale pooled one)."""
+    drain: Drain | None = None
+    """The process's shutdown state: a cancellation while it drains is the shutdown's
+    (`Drain.is_shutdown`), and a stream then ends with an error event, not a cut."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +213,11 @@ async def relay_stream(
         resp.close,  # ends the read below; vLLM aborts the request
         loop.time() if head.chunk and not comments_only(head.chunk) else ex.headers_at_s or None,
     )
+    started = False  # the client has its headers
     try:
         watch.sending = True
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+        started = True
         watch.sending = False
         watch.start()
         try:
@@ -248,7 +257,18 @@ async def relay_stream(
         else:
             held = stripper.flush() if stripper is not None else b""
             await send({"type": "http.response.body", "body": held, "more_body": False})
-    except BaseException:  # cancelled (shutdown) or the send to the client failed
+    except BaseException as exc:  # cancelled (shutdown) or the send to the client failed
+        if ex.drain is not None and ex.drain.is_shutdown(exc) and started and not broken:
+            # The shutdown grace ran out: close upstream (vLLM aborts), tell the client.
+            broken = True
+            resp.close()
+            settler.upstream_cancelled(ex, "shutdown")
+            uncancel_current_task()
+            held = stripper.flush() if stripper is not None else b""
+            with contextlib.suppress(Exception):
+                await send(_error_message(ex.drain.error(), tail + held, held))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         if status == 200 and not broken:
             settler.upstream_cancelled(ex, "aborted")
         status = 499
@@ -315,7 +335,13 @@ class PassThroughResponse(_Relayed[bytes]):
                 return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             complete = True
-        except BaseException:  # cancelled (shutdown) or the send to the client failed
+        except BaseException as exc:  # cancelled (shutdown) or the send to the client failed
+            if ex.drain is not None and ex.drain.is_shutdown(exc):
+                # The shutdown grace ran out mid-body: it stays incomplete (the server closes
+                # the connection); no error status can follow a 200's headers.
+                settler.upstream_cancelled(ex, "shutdown")
+                uncancel_current_task()
+                return
             if status != 499:
                 settler.upstream_cancelled(ex, "aborted")
             status = 499

@@ -76,7 +76,7 @@ from tests.fault_support import (
     replica_counters,
     wait_for,
 )
-from tests.gateway_support import gateway_config, run_gateway
+from tests.gateway_support import gateway_config, run_gateway, run_gateway_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -775,6 +775,63 @@ def test_non_streamed_request_on_a_frozen_engine_is_answered_by_the_other_replic
         assert _finished_on(target, target_before) == 0
     assert took_s < IDLE_TIMEOUT_S + 20  # not the total bound (600 s here)
     measured("non-streamed request, engine SIGSTOP (vLLM)", answered_after_s=took_s)
+
+
+def test_gateway_sigterm_ends_what_outlasts_the_grace_cleanly_and_vllm_aborts(
+    fleet: VllmFleet, tiny_model_dir: Path
+) -> None:
+    """A gateway of its own (grace 2 s) stopped with SIGTERM while a long stream and a long
+    non-streamed request run on real vLLM: the stream ends with an SSE error event
+    (``gateway_shutdown``) and ``[DONE]``, the other gets a 503 saying why, and vLLM aborts
+    both (before the drain: a broken connection 5 s after the signal)."""
+    fleet.settle()
+    before = {r.base_url: replica_counters(r.base_url) for r in fleet.replicas}
+    port = PortAllocator(22200, 22300).take()
+    config = _gateway(port, fleet.replicas, tiny_model_dir, "sal")
+    config["listen"]["shutdown_grace_s"] = 2.0
+    with run_gateway_process(config) as (gw, proc):
+        lines: list[str] = []
+        answers: dict[str, httpx.Response] = {}
+        errors: list[str] = []
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "hello", "stream": True, **LONG}
+            try:
+                with httpx.stream("POST", f"{gw}/v1/completions", json=body, timeout=120) as r:
+                    lines.extend(x[6:] for x in r.iter_lines() if x.startswith("data: "))
+            except httpx.HTTPError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        def whole() -> None:
+            body = {"model": MODEL, "prompt": "hello", **LONG}
+            answers["r"] = httpx.post(f"{gw}/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (stream, whole)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(lines) >= 1, 60.0, "the stream's first tokens")
+        wait_for(lambda: sum(replica_busy(r.base_url) for r in fleet.replicas) == 2, 30.0)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60.0)
+        assert proc.wait(timeout=30.0) in (0, -signal.SIGTERM)
+        ended_s = time.monotonic() - signalled
+    assert errors == [], errors
+    assert lines[-1] == "[DONE]"
+    assert '"gateway_shutdown"' in lines[-2]
+    assert answers["r"].status_code == 503
+    assert answers["r"].json()["error"]["code"] == "gateway_shutdown"
+    abort_s = [_aborted_in_vllm(r) for r in fleet.replicas]
+    for r in fleet.replicas:  # aborted, not finished
+        after = replica_counters(r.base_url)
+        for reason in ("success_stop", "success_length"):
+            assert after.get(reason, 0) == before[r.base_url].get(reason, 0)
+    measured(
+        "gateway SIGTERM, grace 2 s (vLLM)",
+        both_answered_after_signal_s=ended_s,
+        vllm_idle_after_s=max(abort_s),
+    )
 
 
 def test_sigkill_after_accept_before_first_token_is_rerouted(

@@ -256,3 +256,15 @@ def test_bad_prefix_cache_keys_are_named(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         build_config({"models": [{**_M, **model}], "routing": routing})
+
+
+def test_shutdown_drain_settings_default_and_validate() -> None:
+    base: dict[str, object] = {"models": [{"name": "m", "backends": ["http://a:1"]}]}
+    listen = build_config(base).listen
+    # A rolling update must not cut streams that finish within half a minute.
+    assert (listen.shutdown_delay_s, listen.shutdown_grace_s) == (0.0, 30.0)
+    custom = build_config({**base, "listen": {"shutdown_delay_s": 5, "shutdown_grace_s": 0}})
+    assert (custom.listen.shutdown_delay_s, custom.listen.shutdown_grace_s) == (5.0, 0.0)
+    for key, value in (("shutdown_delay_s", -1), ("shutdown_grace_s", "long")):
+        with pytest.raises(ConfigError, match=rf"listen\.{key}"):
+            build_config({**base, "listen": {key: value}})
