@@ -49,7 +49,7 @@ from sal_gateway.upstream import ConnectionUse, response_headers
 from sal_gateway.usage import (
     USAGE_TAIL_BYTES,
     UsageStripper,
-    usage_from_json,
+    usage_from_body,
     usage_from_json_tail,
     usage_from_sse_tail,
 )
@@ -60,7 +60,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 HeadT = TypeVar("HeadT")
 BUFFERED_BODY_BYTES = 4 << 20
 """A non-streamed answer up to this size is read whole before the client gets its headers
-(a failure while reading it is a clean 502/504, and usage is parsed from the whole body);
+(a failure while reading it is a clean 502/504; usage: `usage_from_body`);
 a larger one (long logprobs, a big embeddings batch) is passed through as it arrives
 (`PassThroughResponse`), so no answer costs the gateway more memory than this."""
 
@@ -458,7 +458,7 @@ async def relay_answer(
         return PassThroughResponse(settler, ex, resp, headers, content_type, body)
     usage = None
     if resp.status == 200 and "Content-Encoding" not in resp.headers:
-        usage = usage_from_json(body)
+        usage = usage_from_body(body)
     resp.release()
     settler.finish(ex, resp.status, usage)
     return Response(

@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sal_gateway.usage import (
+    PARSE_WHOLE_BYTES,
+    USAGE_TAIL_BYTES,
     UsageStripper,
+    usage_from_body,
     usage_from_json,
     usage_from_json_tail,
     usage_from_sse_tail,
@@ -99,3 +102,19 @@ def test_usage_is_found_in_the_tail_of_a_json_body_too_large_to_parse_whole() ->
         b'..., 0.25]}], "usage": {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}}'
     )
     assert usage_from_json_tail(embeddings) == (7, 0)
+
+
+def test_a_large_answer_read_whole_is_not_parsed_whole_for_its_usage() -> None:
+    usage = {"prompt_tokens": 5, "completion_tokens": 8000}
+    logprobs = [{"token": "a", "logprob": -0.1, "top_logprobs": [{"b": -1.0}] * 5}] * 8000
+    body = json.dumps({"choices": [{"logprobs": logprobs}], "usage": usage}).encode()
+    assert len(body) > PARSE_WHOLE_BYTES
+    assert usage_from_body(body) == (5, 8000)  # from the tail
+    # Usage not near the end of a large body: not counted rather than a long parse.
+    moved = json.dumps({"usage": usage, "choices": [{"logprobs": logprobs}]}).encode()
+    assert usage_from_body(moved) is None
+    # A small body is parsed whole when its tail has no usage.
+    small = json.dumps({"usage": usage, "echo": "x" * 20_000}).encode()
+    assert USAGE_TAIL_BYTES < len(small) <= PARSE_WHOLE_BYTES
+    assert usage_from_body(small) == (5, 8000)
+    assert usage_from_body(b'{"usage": {"prompt_tokens": 1, "completion_tokens": 2}}') == (1, 2)
