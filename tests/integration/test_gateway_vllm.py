@@ -29,6 +29,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from engine_sim.fake_vllm import FakeBackend, ServedBackend
+from sal_gateway.relay import BUFFERED_BODY_BYTES
 from tests.gateway_support import free_port, gateway_config, metric, run_gateway, scrape_metrics
 from tests.vllm_support import DEFAULT_ARGS, run_replica
 
@@ -331,6 +332,33 @@ class TestPatchedPair:
         # vLLM answers 400 for a negative temperature; the gateway relays status and body.
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=MODEL, prompt="x", temperature=-1.0, max_tokens=2)
+
+    def test_a_large_answer_is_passed_through_whole_and_its_usage_counted(
+        self, gateway: str
+    ) -> None:
+        """Three choices of 1,800 tokens with 20 top logprobs each: a non-streamed answer of
+        several MB, over what the gateway reads whole (`BUFFERED_BODY_BYTES`), so it is
+        relayed as vLLM sends it and its usage read from its last bytes."""
+        tokens, n = 1800, 3
+        before = metric(scrape_metrics(gateway), "sal_output_tokens_total", model=MODEL)
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": tokens,
+            "n": n,
+            "logprobs": True,
+            "top_logprobs": 20,
+            **IGNORE_EOS,
+        }
+        resp = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=600.0)
+        assert resp.status_code == 200, resp.text[:500]
+        print(f"\nlarge answer through the gateway: {len(resp.content) / 1e6:.1f} MB")
+        assert len(resp.content) > BUFFERED_BODY_BYTES
+        answer = resp.json()  # whole and well-formed
+        assert [len(c["logprobs"]["content"]) for c in answer["choices"]] == [tokens] * n
+        assert answer["usage"]["completion_tokens"] == tokens * n
+        after = metric(scrape_metrics(gateway), "sal_output_tokens_total", model=MODEL)
+        assert after - before == tokens * n
 
     def test_a_backend_that_serves_another_model_gets_no_request(
         self, replicas: list[str], tiny_model_dir: Path
