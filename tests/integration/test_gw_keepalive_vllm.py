@@ -27,7 +27,7 @@ MODEL = "tiny"
 BLOCKER_TOKENS = 2000
 """Output tokens of the stream that holds the only sequence slot (~5 s on CPU; with its
 prompt within the replica's 2,048-token context)."""
-TRIES = 3
+TRIES = 5
 
 
 def _stream(url: str, max_tokens: int) -> tuple[float | None, float | None, int]:
@@ -90,10 +90,12 @@ def test_ttft_of_a_queued_stream_runs_to_its_first_token_past_keep_alive_comment
             blocker.join(timeout=120.0)
             after = scrape_metrics(url)
             seen.append((first_comment, first_data, comments))
-            if comments:
+            if comments and (hold_s > 0 or _comment_well_before_token(first_comment, first_data)):
                 break
     # On this CPU-starved box vLLM's API server has, rarely, sent a queued stream's headers
-    # only with its first token (no comment at all): try again, a few times at most.
+    # only with its first token (no comment at all), or its first comment only shortly before
+    # that token (a clean-clone run: 3.45 s and 4.19 s), when a TTFT booked at the comment
+    # could not be told from one booked at the token: try again, a few times at most.
     assert comments >= 1, f"vLLM sent no keep-alive comment in {TRIES} tries: {seen}"
     assert first_comment is not None
     assert first_data is not None
@@ -113,3 +115,12 @@ def test_ttft_of_a_queued_stream_runs_to_its_first_token_past_keep_alive_comment
         assert total >= first_data - first_comment + 0.5, (total, first_comment, first_data)
     else:  # held with the headers until the first token, then relayed with it
         assert first_comment >= first_data - 0.2, (first_comment, first_data)
+
+
+def _comment_well_before_token(first_comment: float | None, first_data: float | None) -> bool:
+    """Whether the client saw the first keep-alive comment over a second before the first
+    token (vLLM sends it 1 s after it has the request), so that where the gateway booked the
+    TTFT shows."""
+    return (
+        first_comment is not None and first_data is not None and (first_comment < first_data - 1.0)
+    )
