@@ -827,19 +827,26 @@ def test_gateway_sigterm_ends_what_outlasts_the_grace_cleanly_and_vllm_aborts(
         if frozen:
             for pid in engines:
                 os.kill(pid, signal.SIGCONT)
-    if stream.status == 200:
+    # On this box vLLM may finish a 4,000-token request in the ~0.1 s before the hold (the
+    # decision metric is scraped after routing): a normal answer then, counted as finished.
+    done_before_hold = int(stream.ended_normally) + int(answers["r"].status_code == 200)
+    assert done_before_hold < 2, "neither request was still running at the hold"
+    if stream.status == 200 and not stream.ended_normally:
         assert stream.ended_with_error_event, stream.events[-3:]
         assert '"gateway_shutdown"' in stream.events[-2]
-    else:
+    elif stream.status != 200:
         assert stream.status == 503, (stream.status, stream.events)
         assert '"gateway_shutdown"' in stream.events[0]
-    assert answers["r"].status_code == 503
-    assert answers["r"].json()["error"]["code"] == "gateway_shutdown"
+    if answers["r"].status_code != 200:
+        assert answers["r"].status_code == 503
+        assert answers["r"].json()["error"]["code"] == "gateway_shutdown"
     abort_s = [_aborted_in_vllm(r) for r in fleet.replicas]
-    for r in fleet.replicas:  # aborted, not finished
+    finished = 0.0
+    for r in fleet.replicas:  # the others aborted, not finished
         after = replica_counters(r.base_url)
         for reason in ("success_stop", "success_length"):
-            assert after.get(reason, 0) == before[r.base_url].get(reason, 0)
+            finished += after.get(reason, 0) - before[r.base_url].get(reason, 0)
+    assert finished == done_before_hold
     measured(
         "gateway SIGTERM, grace 2 s (vLLM)",
         stream_status=stream.status or 0,
