@@ -328,14 +328,37 @@ async def admission_samples(
     """Queue `QUEUE` behind the running `blocker_request` in order, wait `settle_s` more (at
     least), abort the blocker, and return the (num_waiting, queued_prefill_tokens) states
     `/stats` showed while one request ran. Up to `QUEUE_ATTEMPTS` tries when the blocker
-    ends before that."""
+    ends before that; up to `SAMPLE_RUNS` runs when a run saw no state between the first and
+    the last admission (uninformative, not wrong: see `SAMPLE_RUNS`)."""
+    seen: list[tuple[int, int]] = []
+    for run in range(SAMPLE_RUNS):
+        seen = await one_admission_sample(
+            url, settle_s, blocker_request, first_attempt=run * QUEUE_ATTEMPTS + 1
+        )
+        if any(0 < waiting < QUEUED for waiting, _ in seen):
+            break
+    return seen
+
+
+SAMPLE_RUNS = 3
+"""A clean-clone run saw only the state before the first admission, ``{7: 3664}``: the 2-core
+box left the sampling client unscheduled while all seven prompts ran. Such a run shows no
+order, so it is run again (with prompts of its own); the order assertions are unchanged."""
+
+
+async def one_admission_sample(
+    url: str, settle_s: float, blocker_request: tuple[str, int, float, int], first_attempt: int
+) -> list[tuple[int, int]]:
+    """One run of `admission_samples`; its tries are numbered from `first_attempt` so that
+    each sends prompts no earlier try left in the prefix cache."""
     timeout = httpx.Timeout(300.0, connect=10.0)
     async with (
         httpx.AsyncClient(timeout=timeout) as streams,
         httpx.AsyncClient(timeout=10.0) as polls,
     ):
         stories: list[str] = []
-        for attempt in range(1, QUEUE_ATTEMPTS + 1):
+        last_attempt = first_attempt + QUEUE_ATTEMPTS - 1
+        for attempt in range(first_attempt, last_attempt + 1):
             try:
                 blocker, queued = await queue_behind_blocker(
                     url, streams, polls, blocker_request, settle_s, attempt
@@ -343,7 +366,7 @@ async def admission_samples(
                 break
             except BlockerEnded as exc:
                 stories.append(f"try {attempt}: {exc}")
-                if attempt == QUEUE_ATTEMPTS:
+                if attempt == last_attempt:
                     raise AssertionError(
                         f"the blocker ({blocker_request[3]} tokens) ended before {QUEUED} prompts "
                         f"were queued behind it, {QUEUE_ATTEMPTS} times: " + "; ".join(stories)
