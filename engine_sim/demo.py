@@ -51,7 +51,8 @@ class DemoOptions:
     replica_base_port: int = 0
     """Port of the first emulated replica (0: free ports)."""
     policy: str = "sal"
-    scheduler: str = "larry"
+    scheduler: str = "larry_tail"
+    """The engine order the patch ships by default (`--sal-scheduler larry_tail`)."""
     profile: str = "llama3-8b-a100"
     time_scale: float = 1.0
     """Wall seconds per modelled second (0.5: twice as fast as the modelled GPU)."""
