@@ -29,7 +29,7 @@ import pytest
 
 from bench.processes import PortAllocator
 from tests.fault_support import FakeProc, fake_procs, wait_for
-from tests.gateway_support import gateway_config, run_gateway_process
+from tests.gateway_support import gateway_config, metric, run_gateway_process, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +91,12 @@ class Fleet:
     slow: FakeProc
 
 
-def _fleet(tmp: Path, stack: ExitStack, listen: dict[str, float]) -> Fleet:
+def _fleet(
+    tmp: Path,
+    stack: ExitStack,
+    listen: dict[str, float],
+    limits: dict[str, int] | None = None,
+) -> Fleet:
     ports = PortAllocator(22800, 22900)
     for sub in ("tiny", "slow"):
         (tmp / sub).mkdir()
@@ -102,6 +107,8 @@ def _fleet(tmp: Path, stack: ExitStack, listen: dict[str, float]) -> Fleet:
     config = gateway_config(ports.take(), [tiny.url], tokenizer=None)
     config["models"].append({"name": "slow", "backends": [slow.url]})
     config["listen"].update(listen)
+    if limits:
+        config.setdefault("limits", {}).update(limits)
     url, proc = stack.enter_context(run_gateway_process(config))
     return Fleet(url, proc, tiny, slow)
 
@@ -188,3 +195,42 @@ def test_with_the_defaults_a_stream_running_at_sigterm_finishes_whole(tmp_path: 
     assert stream.error is None, stream.error
     assert stream.tokens_received() == 32
     assert stream.lines[-1] == "[DONE]"
+
+
+def test_with_two_workers_sigterm_lets_both_workers_finish_their_streams(tmp_path: Path) -> None:
+    """``listen.workers``: the supervisor forwards SIGTERM and every worker drains its own
+    streams. Streams are opened (one connection each) until both workers carry one, as each
+    worker's own ``/metrics`` port shows; all must end whole after the signal."""
+    ports = PortAllocator(22950, 22999)
+    first = ports.take()
+    own = [first, ports.take()]
+    assert own[1] == first + 1, "need two consecutive free ports"
+    with ExitStack() as stack:
+        fleet = _fleet(
+            tmp_path,
+            stack,
+            {"workers": 2, "worker_ports_from": first},
+            limits={"body_workers": 1},
+        )
+        workers = [f"http://127.0.0.1:{port}" for port in own]
+        for worker in workers:  # each worker ready on its own port (it polled the fakes)
+            wait_for(lambda w=worker: httpx.get(f"{w}/ready", timeout=2.0).status_code == 200)
+        streams: list[Stream] = []
+
+        def carrying() -> list[float]:
+            return [metric(scrape_metrics(w), "sal_backend_in_flight") for w in workers]
+
+        while min(carrying()) < 1:
+            assert len(streams) < 16, f"16 connections, all on one worker: {carrying()}"
+            stream = Stream(fleet.url, 32, f"w{len(streams)}").start()  # 8 s of tokens
+            streams.append(stream)
+            wait_for(lambda s=stream: s.tokens_received() >= 1 or s.ended_s is not None)
+        fleet.proc.send_signal(signal.SIGTERM)
+        for stream in streams:
+            stream.join()
+        assert fleet.proc.wait(timeout=30.0) in (0, -signal.SIGTERM)
+    print(f"\nworkers drain: {len(streams)} streams over 2 workers, all ended")
+    for stream in streams:
+        assert stream.error is None, stream.error
+        assert stream.tokens_received() == 32, (stream.user, stream.lines[-3:])
+        assert stream.lines[-1] == "[DONE]"
