@@ -4,7 +4,8 @@ The snapshot is random but seeded (every backend eligible except every 16th, var
 queued tokens), and one request of 1,000 prompt tokens is routed over and over. The result is
 the per-call time of `Policy.select()` (the pure decision), plus, for SAL, the whole
 per-request routing work the gateway does on its event loop: `StateTable.views()` (building
-the 64 `BackendView` snapshots) followed by `select()`.
+the 64 `BackendView` snapshots) followed by `select()`, alone and as one of 8 workers sharing
+their accounting (``listen.workers``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from sal_core.percentile import percentile
 from sal_core.policies import POLICIES, BackendView, RouteRequest, make_policy
 from sal_core.stats import ReplicaStats
+from sal_gateway.shared_accounting import SharedAccounting
 from sal_gateway.state import StateTable
 
 _MODEL = "tiny"
@@ -77,10 +79,15 @@ def time_policy(name: str, n_backends: int, calls: int, batch: int = 50) -> Deci
     )
 
 
-def _state_table(n_backends: int, seed: int = 0) -> StateTable:
-    """A `StateTable` of one model with ``n_backends`` freshly polled backends (at t=0)."""
+def _state_table(
+    n_backends: int, seed: int = 0, peers: SharedAccounting | None = None
+) -> StateTable:
+    """A `StateTable` of one model with ``n_backends`` freshly polled backends (at t=0);
+    `peers`: this worker's handle on the workers' shared accounting."""
     rng = random.Random(seed)
-    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+    table = StateTable(
+        stale_after_s=1.0, eject_after_failures=3, peers=None if peers is None else peers.slot
+    )
     for view in make_snapshot(n_backends, seed):
         table.add_backend(_MODEL, view.url)
         stats = ReplicaStats(
@@ -95,19 +102,39 @@ def _state_table(n_backends: int, seed: int = 0) -> StateTable:
     return table
 
 
-def time_request_path(name: str, n_backends: int, calls: int) -> DecisionTiming:
-    """Time what the gateway does per request: `StateTable.views()` then `Policy.select()`."""
+def time_request_path(name: str, n_backends: int, calls: int, workers: int = 1) -> DecisionTiming:
+    """Time what the gateway does per request: `StateTable.views()` then `Policy.select()`.
+    With `workers` > 1, as one of that many ``listen.workers`` sharing their accounting,
+    every other worker having routed a request to every backend (each view then reads
+    every other worker's entry)."""
     policy = make_policy(name, seed=0)
-    table = _state_table(n_backends)
-    request = RouteRequest(prompt_tokens=1000, beta=2.0)
-    samples: list[float] = []
-    for _ in range(max(1, calls // 50)):
-        start = time.perf_counter()
-        for _ in range(50):
-            policy.select(request, table.views(_MODEL, 0.5))
-        samples.append((time.perf_counter() - start) / 50 * 1e6)
+    owner = SharedAccounting.create(workers) if workers > 1 else None
+    handles = (
+        [] if owner is None else [SharedAccounting.attach(owner.name, w) for w in range(workers)]
+    )
+    try:
+        table = _state_table(n_backends, peers=handles[0] if handles else None)
+        for handle in handles[1:]:
+            other = _state_table(n_backends, peers=handle)
+            for backend in other.backends(_MODEL):
+                other.route(_MODEL, backend.url, 100, sent_s=0.0)
+        request = RouteRequest(prompt_tokens=1000, beta=2.0)
+        samples: list[float] = []
+        for _ in range(max(1, calls // 50)):
+            start = time.perf_counter()
+            for _ in range(50):
+                policy.select(request, table.views(_MODEL, 0.5))
+            samples.append((time.perf_counter() - start) / 50 * 1e6)
+    finally:
+        for handle in handles:
+            handle.close()
+        if owner is not None:
+            owner.close()
+    label = f"{name}: views() + select()"
+    if workers > 1:
+        label += f", {workers} workers sharing"
     return DecisionTiming(
-        policy=f"{name}: views() + select()",
+        policy=label,
         backends=n_backends,
         calls=len(samples) * 50,
         mean_us=sum(samples) / len(samples),
@@ -120,6 +147,7 @@ def time_all_policies(n_backends: int = 64, calls: int = 20_000) -> list[Decisio
     """`time_policy` for every registered policy, then SAL's whole per-request path."""
     rows = [time_policy(name, n_backends, calls) for name in sorted(POLICIES)]
     rows.append(time_request_path("sal", n_backends, calls))
+    rows.append(time_request_path("sal", n_backends, calls, workers=8))
     return rows
 
 

@@ -37,12 +37,21 @@ from typing import Any
 from bench.cells import log, run_cells
 from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
 
-HELP = "routing quality and herding with K = 1, 2, 4, 8 independent gateways (simulator)"
+HELP = (
+    "routing quality and herding with K = 1, 2, 4, 8 gateways, independent or sharing "
+    "their accounting as one host's workers do (simulator)"
+)
 
 Row = dict[str, Any]
 
-ROUTERS = ("sal", "sal_near", "p2c", "least_requests", "round_robin", "random")
-"""`sal_near` is the herding fix (`sal_core.policies.SALNearBest`)."""
+ROUTERS = ("sal", "sal_shared", "sal_near", "p2c", "least_requests", "round_robin", "random")
+"""`sal_shared` is `sal` on the workers of one host sharing their between-poll accounting
+(``listen.workers`` with ``listen.share_accounting``; `RouterConfig.shared_accounting`);
+`sal_near` is the herding fix for gateways that cannot share it (separate hosts,
+`sal_core.policies.SALNearBest`)."""
+
+SHARED = {"sal_shared": "sal"}
+"""Rows whose gateways share their accounting, and the policy they run."""
 
 LOADS = {"chat": 2.0, "chat-bursty": 0.5, "code": 0.6}
 """Load (multiples of the fleet's 1x) per workload: near p2c+fcfs's capacity on 8 x 8B."""
@@ -129,10 +138,16 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
     for router in ROUTERS:
         for k in plan.gateways:
             started = time.perf_counter()
-            config = RouterConfig(seed=index, gateways=k, gateway_split=plan.split)
+            policy = SHARED.get(router, router)
+            config = RouterConfig(
+                seed=index,
+                gateways=k,
+                gateway_split=plan.split,
+                shared_accounting=router in SHARED,
+            )
             result = run_stack(
                 reqs,
-                Stack(router, router),
+                Stack(router, policy),
                 profile=plan.profile,
                 replicas=plan.replicas,
                 router=config,

@@ -2,8 +2,10 @@
 
 The many-gateway experiment of `bench.gateways` on the real path: for each K and router the
 gateway runs as a user runs it, ``sal-gateway serve`` in a child process with
-``listen.workers: K`` (K processes sharing one port, each with its own pollers and
-accounting; `sal_gateway.workers`), in front of emulated replicas
+``listen.workers: K`` (K processes sharing one port, each with its own pollers and, with
+``listen.share_accounting: false``, its own accounting: K independent gateways, as in the
+simulator's rows other than ``sal_shared``; `sal_gateway.workers`), in front of emulated
+replicas
 (`engine_sim.emulator.run_emulators`, in this process, on the wall clock at ``time_scale``).
 The client opens a new connection per request, so the kernel's ``SO_REUSEPORT`` hash spreads
 requests over the workers at random, as a Service spreads them over gateway replicas. The
@@ -57,7 +59,13 @@ def _config(
 ) -> dict[str, Any]:
     poll_s = 0.1 * args.time_scale
     return {
-        "listen": {"host": "127.0.0.1", "port": port, "workers": k, "worker_ports_from": first_own},
+        "listen": {
+            "host": "127.0.0.1",
+            "port": port,
+            "workers": k,
+            "worker_ports_from": first_own,
+            "share_accounting": False,
+        },
         "models": [{"name": MODEL_NAME, "backends": list(urls)}],
         "routing": {
             "policy": router,
@@ -198,7 +206,8 @@ def render(cells: Sequence[Cell], args: argparse.Namespace, n: int) -> str:
         f"outputs clipped to {args.max_output} tokens) on {args.replicas} x {args.profile} "
         f"emulated replicas with the `{args.scheduler}` engine scheduler, time scale "
         f"{args.time_scale:g}. Real: `sal-gateway serve` with `listen.workers: K` (K processes "
-        "on one port, each with its own pollers and accounting), a new connection per request "
+        "on one port, each with its own pollers and accounting: `listen.share_accounting: "
+        "false`), a new connection per request "
         "so the kernel spreads them; sim: the simulator with K gateways and a random split. "
         "One run per cell on the shared 2-core machine (every process of the run shares it): "
         "compare within a column, expect noise. Times in modelled seconds.\n",

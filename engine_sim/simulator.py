@@ -25,8 +25,11 @@ replicas or workers: each gateway gets its share of the arrivals (round-robin or
 random split), and keeps everything above for itself: its own snapshots of every replica
 (polls offset by ``poll_interval_s / K`` from one gateway to the next), its own between-poll
 accounting and in-flight counts (only of the requests it routed), its own beta estimate (fed
-by its own finished requests) and its own policy object. Nothing is shared but the replicas.
-Every decision is logged (`SimResult.decisions`) so herding can be measured.
+by its own finished requests) and its own policy object. Nothing is shared but the replicas,
+unless `RouterConfig.shared_accounting` (the workers of one host, ``listen.workers``): then
+each decides on its own snapshots plus the sum of every gateway's in-flight counts and
+between-poll accounting. Every decision is logged (`SimResult.decisions`) so herding can be
+measured.
 
 Event loop: a heap of next-event times. A busy replica has exactly one pending event, the
 end of its current iteration (`step(now)` returns the iteration's duration; its tokens are
@@ -131,6 +134,11 @@ class RouterConfig:
     ``"oracle"`` (the engines' true contents, as vLLM's KV events would tell)."""
     min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS
     """`sal_core.policies.PolicySettings.min_match_tokens` (``routing.prefix_min_match_tokens``)."""
+    shared_accounting: bool = False
+    """Several gateways (`gateways` > 1) are the workers of one host sharing their
+    between-poll accounting (``listen.share_accounting``, `sal_gateway.shared_accounting`):
+    each decides on its own snapshot plus every gateway's in-flight requests and
+    unacknowledged tokens. False: each counts only what it routed itself."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -263,14 +271,23 @@ class _RouterView:
             self.routed_tokens -= ticket.queued_tokens
             self.routed_kv_tokens -= ticket.kv_tokens
 
-    def backend_view(self, url: str, cache: CacheView) -> BackendView:
+    def counts(self) -> tuple[int, int, int]:
+        """(in flight, unacknowledged prefill tokens, their KV tokens)."""
+        return self.in_flight, self.routed_tokens, self.routed_kv_tokens
+
+    def backend_view(
+        self, url: str, cache: CacheView, counts: tuple[int, int, int] | None = None
+    ) -> BackendView:
+        """`counts` replaces this gateway's own `counts()` (shared accounting: all of
+        them summed, as the gateway's workers see it)."""
         snap = self.snapshot
+        in_flight, routed, routed_kv = counts or self.counts()
         return BackendView(
             url=url,
             eligible=True,
-            in_flight=self.in_flight,
-            free_kv_tokens=max(0, snap.free_kv_tokens - self.routed_kv_tokens),
-            queued_prefill_tokens=snap.queued_prefill_tokens + self.routed_tokens,
+            in_flight=in_flight,
+            free_kv_tokens=max(0, snap.free_kv_tokens - routed_kv),
+            queued_prefill_tokens=snap.queued_prefill_tokens + routed,
             max_num_batched_tokens=max(1, snap.max_num_batched_tokens),
             cached_tokens=cache.cached_tokens,
             cached_held_tokens=cache.held_tokens,
@@ -474,8 +491,18 @@ class Simulation:
             # The router sees the prompt only (the engine also caches repeated outputs).
             keys = req.blocks.keys(cache.block_size)[: req.prompt_tokens // cache.block_size]
         holds = cache.lookup(keys)
+        counts: list[tuple[int, int, int] | None] = [None] * len(views)
+        if self._router_cfg.shared_accounting and len(self._views) > 1:
+            for r in range(len(views)):
+                every = [gateway_views[r].counts() for gateway_views in self._views]
+                counts[r] = (
+                    sum(c[0] for c in every),
+                    sum(c[1] for c in every),
+                    sum(c[2] for c in every),
+                )
         backends = [
-            v.backend_view(u, hold) for v, u, hold in zip(views, self._urls, holds, strict=True)
+            v.backend_view(u, hold, c)
+            for v, u, hold, c in zip(views, self._urls, holds, counts, strict=True)
         ]
         decision = self._policies[gateway].select(
             RouteRequest(req.prompt_tokens, self._betas[gateway].beta, _affinity_key(req)),

@@ -58,6 +58,7 @@ from sal_gateway.poller import Poller
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.proxy import Forwarder, make_session
 from sal_gateway.request_body import Endpoint
+from sal_gateway.shared_accounting import SharedAccounting
 from sal_gateway.state import StateTable
 from sal_gateway.template_pool import TemplatePool
 from sal_gateway.tokenizer import PromptCount, PromptCounter, load_model_tokenizer
@@ -183,9 +184,11 @@ async def build_runtime(
     resolve: Resolver | None = None,
     clock: Callable[[], float] = time.monotonic,
     drain: Drain | None = None,
+    accounting: SharedAccounting | None = None,
 ) -> Runtime:
     """Build and start everything (pollers, discovery); call inside the running loop.
-    `drain`: the process's shutdown state (`sal_gateway.drain`; a new one when None)."""
+    `drain`: the process's shutdown state (`sal_gateway.drain`; a new one when None);
+    `accounting`: the workers' shared between-poll accounting (None: this process alone)."""
     drain = Drain() if drain is None else drain
     if counters is None:
         counters = await asyncio.to_thread(load_counters, config)
@@ -195,6 +198,7 @@ async def build_runtime(
         routing.eject_after_failures,
         accounting_grace_s=routing.accounting_grace_s,
         clock=clock,
+        peers=None if accounting is None else accounting.slot,
     )
     metrics = GatewayMetrics(__version__)
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
@@ -424,6 +428,7 @@ def create_app(
     resolve: Resolver | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
+    accounting: SharedAccounting | None = None,
 ) -> FastAPI:
     """The gateway app. `counters` (preloaded tokenizers, as the CLI does) avoids loading them
     again; `resolve` replaces DNS resolution for discovery (tests); `clock` is monotonic;
@@ -437,7 +442,12 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await build_runtime(
-            config, counters=counters, resolve=resolve, clock=clock, drain=drain
+            config,
+            counters=counters,
+            resolve=resolve,
+            clock=clock,
+            drain=drain,
+            accounting=accounting,
         )
         runtime.backend_key = upstream_key
         _start_model_refresh(runtime)

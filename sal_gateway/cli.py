@@ -23,13 +23,16 @@ import socket
 import sys
 from collections.abc import Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sal_gateway import __version__
 from sal_gateway.auth import AuthConfigError
 from sal_gateway.config import ConfigError, GatewayConfig, load_config
 from sal_gateway.tokenizer import TokenizerLoadError
 from sal_gateway.tracing import TracingError
+
+if TYPE_CHECKING:
+    from sal_gateway.shared_accounting import SharedAccounting
 
 EXIT_BAD_CONFIG = 2
 EXIT_STARTUP_FAILURE = 3
@@ -117,11 +120,16 @@ def _with_listen(config: GatewayConfig, host: str | None, port: int | None) -> G
     return dataclasses.replace(config, listen=listen)
 
 
-def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> None:
+def serve(
+    config: GatewayConfig,
+    sockets: list[socket.socket] | None = None,
+    accounting: SharedAccounting | None = None,
+) -> None:
     """Load tokenizers, then run uvicorn until interrupted (raises `TokenizerLoadError`).
 
     With `sockets` (a `sal_gateway.workers` worker) uvicorn serves on those bound sockets
-    instead of binding ``listen.host:listen.port`` itself.
+    instead of binding ``listen.host:listen.port`` itself; `accounting` is the workers'
+    shared between-poll accounting (`sal_gateway.shared_accounting`).
     """
     import uvicorn
 
@@ -133,7 +141,7 @@ def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> 
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config, counters=counters)
+    app = create_app(config, counters=counters, accounting=accounting)
 
     def on_timeout(reason: str) -> None:
         runtime: Runtime | None = getattr(app.state, "runtime", None)
@@ -166,10 +174,12 @@ def serve(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> 
         sys.exit(EXIT_STARTUP_FAILURE)  # the bind failed; uvicorn logged why
 
 
-def serve_worker(config: GatewayConfig, sockets: list[socket.socket]) -> None:
+def serve_worker(
+    config: GatewayConfig, sockets: list[socket.socket], accounting: SharedAccounting | None
+) -> None:
     """`serve` in a worker process: a config error exits 2 with one line, as `main` does."""
     try:
-        serve(config, sockets)
+        serve(config, sockets, accounting)
     except (TokenizerLoadError, AuthConfigError, TracingError) as exc:
         print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)

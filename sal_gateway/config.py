@@ -70,6 +70,10 @@ class ListenConfig:
     """With `workers` > 1, worker i also listens alone on this port + i (the whole API;
     scrape each worker's ``/metrics`` there). None: `port` + 1 (any free ports when `port`
     is 0)."""
+    share_accounting: bool = True
+    """With `workers` > 1, the workers share their between-poll accounting and in-flight
+    counts through shared memory (`sal_gateway.shared_accounting`), so they route as one
+    gateway; False: each decides on its own counts only (they herd)."""
 
     def worker_ports(self) -> tuple[int, ...]:
         """Each worker's own port (0: any free one); empty with one worker."""
@@ -452,6 +456,7 @@ def _workers(path: str, data: Mapping[str, Any], port: int) -> dict[str, Any]:
     first = data.get("worker_ports_from")
     if first is not None:
         first = _as_int(f"{path}.worker_ports_from", first, 0)
+    share = _as_bool(f"{path}.share_accounting", data.get("share_accounting", True))
     listen = ListenConfig(port=port, workers=workers, worker_ports_from=first)
     ports = [p for p in listen.worker_ports() if p]
     if ports and ports[-1] > 65535:
@@ -463,7 +468,7 @@ def _workers(path: str, data: Mapping[str, Any], port: int) -> dict[str, Any]:
             f"{path}.worker_ports_from: the worker ports {ports[0]}-{ports[-1]} include "
             f"{path}.port {port}"
         )
-    return {"workers": workers, "worker_ports_from": first}
+    return {"workers": workers, "worker_ports_from": first, "share_accounting": share}
 
 
 def _discovery(path: str, data: Mapping[str, Any]) -> DiscoveryConfig:

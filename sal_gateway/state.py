@@ -51,6 +51,12 @@ Rules:
   backend too: a replica whose ``/stats`` under-reports its queue (a bug, a snapshot of the
   wrong engine) would otherwise look idle to SAL and draw every request while they wait.
   Only streams count: a non-streamed answer's first byte comes when generation ends.
+* **Workers of one host share that accounting** (``listen.workers``, `PeerCounts`): each
+  publishes its in-flight requests and unacknowledged tokens per backend, and a backend's
+  view adds the other workers' to its own, so a worker never decides blind to what the
+  others routed since the snapshot. The other workers' unacknowledged tokens may already be
+  in this worker's snapshot for the few milliseconds until their own polls acknowledge them:
+  an overestimate, never a request forgotten.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sal_core.policies import BackendView
 from sal_core.stats import ReplicaStats
@@ -68,6 +75,19 @@ SOURCES = ("stats", "metrics", "none")
 
 OFFSET_WINDOW = 64
 """Polls over which the engine's clock offset is estimated (6.4 s at the default 10 Hz)."""
+
+NO_PEERS = (0, 0, 0)
+
+
+class PeerCounts(Protocol):
+    """One backend's accounting shared with the other workers of this host
+    (`sal_gateway.shared_accounting.SharedSlot`)."""
+
+    def publish(self, in_flight: int, routed_tokens: int, routed_kv_tokens: int) -> None:
+        """Make this process's counts for the backend visible to the other workers."""
+
+    def others(self) -> tuple[int, int, int]:
+        """The other workers' (in flight, unacknowledged prefill tokens, KV tokens)."""
 
 
 def shows_progress(previous: ReplicaStats | None, current: ReplicaStats) -> bool:
@@ -125,6 +145,20 @@ class BackendState:
     (acknowledged or released ones are dropped lazily from the left)."""
     offsets_s: deque[float] = field(default_factory=lambda: deque(maxlen=OFFSET_WINDOW))
     """Recent ``engine time - our wall time at receipt`` (for `_written_at`)."""
+    peers: PeerCounts | None = None
+    """The other workers' accounting of this backend (``listen.workers``); None: alone."""
+
+    def publish(self) -> None:
+        """Share this process's counts with the other workers (a removed backend's late
+        releases stay quiet: a re-added one under the same address owns the entry)."""
+        if self.peers is not None and not self.removed:
+            self.peers.publish(
+                self.in_flight, self.routed_tokens_since_poll, self.routed_kv_tokens_since_poll
+            )
+
+    def peer_counts(self) -> tuple[int, int, int]:
+        """The other workers' (in flight, unacknowledged tokens, KV tokens) here."""
+        return NO_PEERS if self.peers is None else self.peers.others()
 
     def age_s(self, now_s: float) -> float | None:
         return None if self.last_ok_s is None else max(0.0, now_s - self.last_ok_s)
@@ -149,17 +183,27 @@ class BackendState:
             and self.serves_other is None
         )
 
-    def free_kv_tokens(self) -> int:
+    def free_kv_tokens(self, peer_kv_tokens: int | None = None) -> int:
+        """Free KV tokens now: the snapshot's, less what this process and (by default,
+        `peer_counts`) the other workers routed since."""
         if self.stats is None:
             return 0
-        return max(0, self.stats.free_kv_tokens - self.routed_kv_tokens_since_poll)
+        if peer_kv_tokens is None:
+            peer_kv_tokens = self.peer_counts()[2]
+        routed = self.routed_kv_tokens_since_poll + peer_kv_tokens
+        return max(0, self.stats.free_kv_tokens - routed)
 
-    def queued_prefill_tokens(self) -> int:
+    def queued_prefill_tokens(self, peer_tokens: int | None = None) -> int:
+        """Queued prefill tokens now: the snapshot's plus what this process and (by
+        default, `peer_counts`) the other workers routed since, floored by this process's
+        streams waiting for a first byte."""
         if self.stats is None:
             return 0
         if self.source == "metrics":
             return self.prefill_pending_tokens
-        reported = self.stats.queued_prefill_tokens + self.routed_tokens_since_poll
+        if peer_tokens is None:
+            peer_tokens = self.peer_counts()[1]
+        reported = self.stats.queued_prefill_tokens + self.routed_tokens_since_poll + peer_tokens
         return max(reported, self.stream_pending_tokens)
 
     def max_num_batched_tokens(self) -> int:
@@ -171,12 +215,13 @@ class BackendState:
         """What a policy sees of this backend (the prefix-cache fields stay 0 here: the
         request path fills them per request when a cache source is configured)."""
         stats = self.stats
+        peer_in_flight, peer_tokens, peer_kv_tokens = self.peer_counts()
         return BackendView(
             url=self.url,
             eligible=eligible,
-            in_flight=self.in_flight,
-            free_kv_tokens=self.free_kv_tokens(),
-            queued_prefill_tokens=self.queued_prefill_tokens(),
+            in_flight=self.in_flight + peer_in_flight,
+            free_kv_tokens=self.free_kv_tokens(peer_kv_tokens),
+            queued_prefill_tokens=self.queued_prefill_tokens(peer_tokens),
             max_num_batched_tokens=self.max_num_batched_tokens(),
             num_waiting=0 if stats is None else stats.num_waiting,
             kv_tokens_total=0 if stats is None else stats.kv_blocks_total * stats.block_size,
@@ -185,12 +230,16 @@ class BackendState:
     def acknowledge_before(self, cutoff_s: float) -> None:
         """Stop counting every ticket sent before `cutoff_s` (a snapshot includes them)."""
         unacked = self.unacked
+        changed = False
         while unacked and unacked[0].sent_s < cutoff_s:
             ticket = unacked.popleft()
             if not ticket.acked:
                 ticket.acked = True
+                changed = True
                 self.routed_tokens_since_poll -= ticket.prompt_tokens
                 self.routed_kv_tokens_since_poll -= ticket.kv_tokens
+        if changed:
+            self.publish()
 
     def _written_at(self, engine_time_s: float, now_s: float, wall_s: float) -> float:
         """Our monotonic time at which the engine wrote a snapshot stamped `engine_time_s`,
@@ -242,6 +291,9 @@ class StateTable:
     """Transit allowance: a snapshot written at t covers requests sent before t - grace."""
     clock: Callable[[], float] = time.monotonic
     """Stamps tickets routed without an explicit time (the gateway's monotonic clock)."""
+    peers: Callable[[str, str], PeerCounts | None] | None = None
+    """The shared accounting entry of a (model, url) backend (``listen.workers``); None,
+    or a None entry: that backend is accounted by this process alone."""
     _pools: dict[str, dict[str, BackendState]] = field(default_factory=dict)
 
     # --- membership ---------------------------------------------------------------------
@@ -256,7 +308,10 @@ class StateTable:
         pool = self._pools.setdefault(model, {})
         if url in pool:
             return False
-        pool[url] = BackendState(url, fallback_max_num_batched_tokens)
+        backend = pool[url] = BackendState(url, fallback_max_num_batched_tokens)
+        if self.peers is not None:
+            backend.peers = self.peers(model, url)
+            backend.publish()  # zeros: a re-added address starts a new count
         return True
 
     def remove_backend(self, model: str, url: str) -> BackendState | None:
@@ -459,6 +514,7 @@ class StateTable:
             backend.stream_pending_tokens += prompt_tokens
         ticket = Ticket(backend, prompt_tokens, sent_s, kv, streamed)
         unacked.append(ticket)
+        backend.publish()
         return ticket
 
     @staticmethod
@@ -492,3 +548,4 @@ class StateTable:
             ticket.acked = True
             backend.routed_tokens_since_poll -= ticket.prompt_tokens
             backend.routed_kv_tokens_since_poll -= ticket.kv_tokens
+        backend.publish()

@@ -3,9 +3,11 @@
 One gateway process serves from one event loop, so one core. With ``listen.workers: N`` the
 CLI starts N worker processes (`run_workers`); each binds ``listen.host:listen.port`` with
 ``SO_REUSEPORT``, so the kernel spreads incoming connections over them, and each is a whole
-gateway: its own tokenizers, pollers, between-poll accounting, beta estimate and metrics.
-Nothing is shared between workers but the replicas' ``/stats``, which reconcile their
-accounting at every poll, exactly as several gateway replicas behind a Kubernetes Service.
+gateway: its own tokenizers, pollers, beta estimate and metrics. What they share
+(``listen.share_accounting``, on by default) is the between-poll accounting: the parent
+creates one shared-memory block (`sal_gateway.shared_accounting`) and every worker publishes
+there what it routed to each backend since its last snapshot, and reads the others', so the
+workers route as one gateway rather than herding like independent ones.
 
 Metrics: a scrape of the shared port reaches one worker chosen by the kernel, so it sees
 only that worker's counters. Each worker therefore also listens alone on its own port
@@ -33,11 +35,13 @@ from multiprocessing.connection import wait
 from types import FrameType
 
 from sal_gateway.config import GatewayConfig
+from sal_gateway.shared_accounting import SharedAccounting, SharedAccountingError
 
 log = logging.getLogger("sal_gateway.workers")
 
-WorkerServe = Callable[[GatewayConfig, list[socket.socket]], None]
-"""Runs one gateway on already-bound sockets until it is told to stop (`cli.serve`)."""
+WorkerServe = Callable[[GatewayConfig, list[socket.socket], SharedAccounting | None], None]
+"""Runs one gateway on already-bound sockets, with the workers' shared accounting (None:
+not shared), until it is told to stop (`cli.serve`)."""
 
 
 class WorkersError(RuntimeError):
@@ -70,14 +74,23 @@ def bind_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 
 
 def _worker_main(
-    serve: WorkerServe, config: GatewayConfig, index: int, port: int, own_port: int
+    serve: WorkerServe,
+    config: GatewayConfig,
+    index: int,
+    port: int,
+    own_port: int,
+    accounting_name: str | None,
 ) -> None:
-    """Entry point of worker `index` (a spawned process): bind both sockets, then serve."""
+    """Entry point of worker `index` (a spawned process): bind both sockets, attach the
+    shared accounting (`accounting_name`; None: not shared), then serve."""
     listen = config.listen
     try:
         shared = bind_socket(listen.host, port, reuse_port=True)
         own = bind_socket(listen.host, own_port, reuse_port=False)
-    except WorkersError as exc:
+        accounting = (
+            None if accounting_name is None else SharedAccounting.attach(accounting_name, index)
+        )
+    except (WorkersError, SharedAccountingError) as exc:
         print(f"sal-gateway worker {index}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     print(
@@ -86,7 +99,11 @@ def _worker_main(
         file=sys.stderr,
         flush=True,
     )
-    serve(config, [shared, own])
+    try:
+        serve(config, [shared, own], accounting)
+    finally:
+        if accounting is not None:
+            accounting.close()
 
 
 def run_workers(config: GatewayConfig, serve: WorkerServe) -> int:
@@ -100,11 +117,23 @@ def run_workers(config: GatewayConfig, serve: WorkerServe) -> int:
     # takes no connections) keeps it reserved for the workers' SO_REUSEPORT binds.
     placeholder = bind_socket(listen.host, listen.port, reuse_port=True)
     port = placeholder.getsockname()[1]
+    accounting = None
+    if listen.share_accounting:
+        try:
+            accounting = SharedAccounting.create(listen.workers)
+        except OSError as exc:  # no writable /dev/shm nor temporary folder
+            print(
+                f"sal-gateway: cannot create the shared accounting ({exc}); each worker "
+                "counts only its own requests",
+                file=sys.stderr,
+                flush=True,
+            )
+    name = None if accounting is None else accounting.name
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(serve, config, i, port, own_port),
+            args=(serve, config, i, port, own_port, name),
             name=f"sal-gateway-worker-{i}",
         )
         for i, own_port in enumerate(listen.worker_ports())
@@ -123,8 +152,9 @@ def run_workers(config: GatewayConfig, serve: WorkerServe) -> int:
     try:
         for proc in procs:
             proc.start()
+        sharing = "shared" if accounting is not None else "separate"
         print(
-            f"sal-gateway: {len(procs)} workers on {listen.host}:{port}",
+            f"sal-gateway: {len(procs)} workers on {listen.host}:{port} ({sharing} accounting)",
             file=sys.stderr,
             flush=True,
         )
@@ -154,4 +184,6 @@ def run_workers(config: GatewayConfig, serve: WorkerServe) -> int:
                 proc.kill()
                 proc.join()
         placeholder.close()
+        if accounting is not None:
+            accounting.close()  # and unlink: every worker has stopped
     return status

@@ -4,7 +4,9 @@ The gateway runs as a user runs it (the CLI in a child process) with two workers
 two fake backends (processes of their own). What a user would notice if it broke: requests
 on the shared port are answered by both workers (the kernel spreads connections), each
 worker polls the backends itself, each worker's own port serves its ``/metrics``, and the
-workers' counters add up to exactly the requests sent; SIGTERM stops every worker.
+workers' counters add up to exactly the requests sent; SIGTERM stops every worker; with
+``listen.share_accounting`` (the default) a worker routes knowing what the other worker has in
+flight, and without it it does not.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,45 +34,59 @@ def _body(i: int) -> dict[str, object]:
     return {"model": "tiny", "prompt": [1] * (10 + i), "max_tokens": 4, "ignore_eos": True}
 
 
-def test_two_workers_share_the_port_and_their_metrics_add_up(tmp_path: Path) -> None:
+def _ports() -> tuple[list[int], int, list[int]]:
+    """Two fake backends' ports, the shared port, and the two workers' own (consecutive)."""
     ports = PortAllocator(22000, 22999)
     fake_ports = [ports.take(), ports.take()]
     gw_port = ports.take()
     first_own = ports.take()
     own = [first_own, ports.take()]
     assert own[1] == first_own + 1, "need two consecutive free ports"
-    with fake_procs(tmp_path, fake_ports) as fakes:
-        config = gateway_config(
-            gw_port,
-            [f.url for f in fakes],
-            tokenizer=None,
-            policy="sal_near",
-            extra={
-                "listen": {
-                    "host": "127.0.0.1",
-                    "port": gw_port,
-                    "workers": 2,
-                    "worker_ports_from": first_own,
-                },
-                "limits": {"body_workers": 1},
-                "log_level": "warning",
+    return fake_ports, gw_port, own
+
+
+def _two_workers(
+    gw_port: int, own: list[int], backends: list[str], policy: str, **listen: object
+) -> dict[str, object]:
+    """A gateway config with two workers (one body worker each) in front of `backends`."""
+    return gateway_config(
+        gw_port,
+        backends,
+        tokenizer=None,
+        policy=policy,
+        extra={
+            "listen": {
+                "host": "127.0.0.1",
+                "port": gw_port,
+                "workers": 2,
+                "worker_ports_from": own[0],
+                **listen,
             },
-        )
+            "limits": {"body_workers": 1},
+            "log_level": "warning",
+        },
+    )
+
+
+def _ready(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"worker port {port} never became ready")
+
+
+def test_two_workers_share_the_port_and_their_metrics_add_up(tmp_path: Path) -> None:
+    fake_ports, gw_port, own = _ports()
+    with fake_procs(tmp_path, fake_ports) as fakes:
+        config = _two_workers(gw_port, own, [f.url for f in fakes], "sal_near")
         with run_gateway(config) as url:
             for port in own:  # each worker answers on its own port, once it polled a backend
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    try:
-                        if (
-                            httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code
-                            == 200
-                        ):
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    time.sleep(0.1)
-                else:
-                    pytest.fail(f"worker port {port} never became ready")
+                _ready(port)
             # A new connection per request, so the kernel spreads them over the workers.
             limits = httpx.Limits(max_keepalive_connections=0)
             with httpx.Client(timeout=30.0, limits=limits) as client:
@@ -126,3 +143,71 @@ def test_a_worker_that_cannot_bind_stops_the_set_with_one_line(tmp_path: Path) -
     assert f"cannot bind 127.0.0.1:{taken_port}" in done.stderr
     assert "stopping the other workers" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+LONG_STREAMS = 4
+SHORT_REQUESTS = 8
+
+
+def _hold_stream(url: str, gone: threading.Event, backends: list[str]) -> None:
+    """A stream that runs until `gone` is set (the client then leaves)."""
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60.0) as resp:
+        backends.append(resp.headers.get("x-fake-backend", "?"))
+        for _ in resp.iter_lines():
+            if gone.is_set():
+                return
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "separate"])
+def test_a_worker_routes_knowing_what_the_other_worker_has_in_flight(
+    tmp_path: Path, share: bool
+) -> None:
+    """Worker 0 holds four long streams on replica a (b looks busy while they are routed).
+    Then both replicas report the same idle queue, and eight short requests go through
+    worker 1: SAL's loads tie, so requests in flight decide. Sharing, worker 1 sees a's four
+    streams and sends every request to b; on separate accounting it sees none and sends
+    every one to a, the first on a tie: what K independent gateways do (they herd)."""
+    fake_ports, gw_port, own = _ports()
+    gone = threading.Event()
+    with fake_procs(tmp_path, fake_ports) as (a, b):
+        a.fault(chunk_delay_s=0.2)
+        b.fault(chunk_delay_s=0.2, stats={"queued_prefill_tokens": 100_000, "num_waiting": 50})
+        config = _two_workers(gw_port, own, [a.url, b.url], "sal", share_accounting=share)
+        with run_gateway(config):
+            for port in own:
+                _ready(port)
+            worker0, worker1 = (f"http://127.0.0.1:{p}" for p in own)
+            held: list[str] = []
+            threads = [
+                threading.Thread(target=_hold_stream, args=(worker0, gone, held), daemon=True)
+                for _ in range(LONG_STREAMS)
+            ]
+            try:
+                for thread in threads:
+                    thread.start()
+                deadline = time.monotonic() + 30
+                while len(held) < LONG_STREAMS:
+                    assert time.monotonic() < deadline, held
+                    time.sleep(0.05)
+                assert held == ["a"] * LONG_STREAMS  # b looked busy
+                b.fault(stats={"queued_prefill_tokens": 0, "num_waiting": 0})
+                deadline = time.monotonic() + 30
+                while metric(
+                    scrape_metrics(worker1), "sal_backend_queued_prefill_tokens", backend=b.url
+                ):
+                    assert time.monotonic() < deadline, "worker 1 never saw b idle"
+                    time.sleep(0.05)
+                time.sleep(0.3)  # a few more polls: both snapshots settled
+                chosen = []
+                with httpx.Client(timeout=30.0) as client:
+                    for i in range(SHORT_REQUESTS):
+                        resp = client.post(f"{worker1}/v1/completions", json=_body(i))
+                        assert resp.status_code == 200, resp.text
+                        chosen.append(resp.headers.get("x-fake-backend"))
+            finally:
+                gone.set()
+                for thread in threads:
+                    thread.join(timeout=30)
+    expected = "b" if share else "a"
+    assert chosen == [expected] * SHORT_REQUESTS, chosen

@@ -37,11 +37,15 @@ def test_the_quick_command_writes_report_json_and_plot(
 ) -> None:
     tiny = gateways.Plan(("code",), "llama3-8b-a100", 4, (1, 4), 120.0, 3, "round_robin")
     monkeypatch.setattr(gateways, "QUICK", tiny)
-    monkeypatch.setattr(gateways, "ROUTERS", ("sal", "sal_near", "p2c", "random"))
+    monkeypatch.setattr(gateways, "ROUTERS", ("sal", "sal_shared", "sal_near", "p2c", "random"))
     assert main(["gateways", "--quick", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "gateways.json").read_text())["rows"]
     assert {(r["router"], r["gateways"]) for r in rows} >= {("sal", 4), ("random", 1)}
     assert all(r["unseen_share"] == 0.0 for r in rows if r["gateways"] == 1)
+    # Sharing workers herd less than independent gateways, window by window.
+    by = {(r["router"], r["gateways"], r["window"]): r["unseen_share"] for r in rows}
+    for window in range(3):
+        assert by[("sal_shared", 4, window)] < by[("sal", 4, window)]
     md = (tmp_path / "gateways.md").read_text()
     assert "unseen co-routing" in md
     assert "| sal_near | 4 |" in md

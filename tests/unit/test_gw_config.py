@@ -268,3 +268,13 @@ def test_shutdown_drain_settings_default_and_validate() -> None:
     for key, value in (("shutdown_delay_s", -1), ("shutdown_grace_s", "long")):
         with pytest.raises(ConfigError, match=rf"listen\.{key}"):
             build_config({**base, "listen": {key: value}})
+
+
+def test_workers_share_their_accounting_unless_told_not_to() -> None:
+    base: dict[str, object] = {"models": [{"name": "m", "backends": ["http://a:1"]}]}
+    # Sharing is what makes several workers route as one gateway: on by default.
+    assert build_config({**base, "listen": {"workers": 4}}).listen.share_accounting is True
+    off = build_config({**base, "listen": {"workers": 4, "share_accounting": False}})
+    assert off.listen.share_accounting is False
+    with pytest.raises(ConfigError, match=r"listen\.share_accounting: expected true or false"):
+        build_config({**base, "listen": {"share_accounting": "yes"}})

@@ -1,4 +1,5 @@
-"""Several independent gateways in front of the same simulated replicas (`gateways` > 1)."""
+"""Several gateways in front of the same simulated replicas (`gateways` > 1): independent,
+or the workers of one host sharing their accounting (`shared_accounting`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from bench.gateways import unseen_share
 from engine_sim.simulator import RouterConfig, SimulationError, simulate
 from engine_sim.trace import TraceRequest, gamma_arrivals
 
@@ -74,6 +76,30 @@ def test_sal_gateways_on_the_same_snapshot_herd_onto_the_same_replica() -> None:
     assert [d.replica for d in herd.decisions] == [0, 0, 0, 0]
     one = simulate(reqs, replicas=3, router=RouterConfig("sal", poll_interval_s=1.0))
     assert len({d.replica for d in one.decisions}) == 3
+
+
+def test_workers_sharing_their_accounting_spread_like_one_gateway() -> None:
+    # The same four requests: sharing (one host's workers), every gateway sees what the
+    # others routed since the snapshot, so they spread as one gateway does.
+    reqs = [TraceRequest(0.2 + 0.01 * i, 500, 5) for i in range(4)]
+    router = RouterConfig("sal", gateways=4, poll_interval_s=1.0, shared_accounting=True)
+    shared = simulate(reqs, replicas=3, router=router)
+    one = simulate(reqs, replicas=3, router=RouterConfig("sal", poll_interval_s=1.0))
+    assert [d.replica for d in shared.decisions] == [d.replica for d in one.decisions]
+    assert len({d.replica for d in shared.decisions}) == 3
+    # With one gateway there is nobody to share with: the same decisions.
+    alone = simulate(reqs, replicas=3, router=RouterConfig("sal", shared_accounting=True))
+    assert alone.decisions == simulate(reqs, replicas=3, router=RouterConfig("sal")).decisions
+
+
+def test_eight_sharing_workers_herd_less_than_eight_gateways() -> None:
+    reqs = _workload(600, rate_per_s=40.0)
+
+    def unseen(shared: bool) -> float:
+        router = RouterConfig("sal", gateways=8, seed=1, shared_accounting=shared)
+        return unseen_share(simulate(reqs, replicas=8, router=router).decisions)
+
+    assert unseen(True) < 0.6 * unseen(False)
 
 
 def test_several_gateways_are_deterministic_for_a_seed() -> None:
