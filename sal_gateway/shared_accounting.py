@@ -10,7 +10,8 @@ every worker's counts route like one gateway (docs/results/gateways.md).
 
 One shared-memory block holds every worker's counts: a file in ``/dev/shm`` (the system's
 temporary folder where there is none) that every worker maps. The supervisor creates it
-(`SharedAccounting.create`) and removes it when the workers have stopped; each worker
+(`SharedAccounting.create`) and removes it when the workers have stopped (a supervisor
+killed with SIGKILL cannot: the next one removes such orphans); each worker
 attaches (`SharedAccounting.attach`) with its index. A plain mapped file rather than
 `multiprocessing.shared_memory`: before Python 3.13 every process that attaches one
 registers it with a resource tracker, which removes it when that process exits or
@@ -63,6 +64,34 @@ SHM_DIR = Path("/dev/shm")
 """Where the block's file goes (memory, not disk) when the system has it."""
 
 
+PREFIX = "sal-accounting-"
+"""Block files are named ``sal-accounting-<creator pid>-<random>``."""
+
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Remove the block files in `folder` whose creator is no longer running (a supervisor
+    killed with SIGKILL cannot remove its own); returns them."""
+    removed = []
+    for path in folder.glob(f"{PREFIX}*-*"):
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _map(path: str) -> mmap.mmap:
     """`path` mapped shared, read-write."""
     try:
@@ -110,7 +139,8 @@ class SharedAccounting:
             raise ValueError(f"need workers >= 1 and slots >= 1, got {workers}, {slots}")
         size = 8 * (HEADER + workers * slots * ENTRY)
         folder = SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else None
-        fd, path = tempfile.mkstemp(prefix="sal-accounting-", dir=folder)
+        remove_orphans(Path(folder or tempfile.gettempdir()))
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=folder)
         try:
             os.ftruncate(fd, size)  # zeros
             header = memoryview(bytearray(8 * HEADER)).cast("q")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +16,11 @@ import pytest
 from engine_sim.fake_vllm import default_stats
 from sal_core.policies import RouteRequest, make_policy
 from sal_gateway.shared_accounting import (
+    PREFIX,
     SharedAccounting,
     SharedAccountingError,
     SharedSlot,
+    remove_orphans,
 )
 from sal_gateway.state import StateTable
 
@@ -177,3 +182,16 @@ def test_the_creator_removes_the_block_when_it_closes() -> None:
     assert path.is_file()  # a worker's close leaves it
     owner.close()
     assert not path.exists()
+
+
+def test_blocks_of_a_supervisor_that_died_are_removed_by_the_next(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"{PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    other = tmp_path / "sal-accounting-notes.txt"
+    for path in (orphan, live, other):
+        path.write_bytes(b"x")
+    assert remove_orphans(tmp_path) == [orphan]
+    assert live.exists()
+    assert other.exists()
