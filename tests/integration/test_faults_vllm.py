@@ -278,9 +278,13 @@ class LongStream:
 HOLD_ATTEMPTS = 3
 
 
-def _try_to_hold_a_long_stream(fleet: VllmFleet) -> tuple[LongStream, LocalReplica, int] | None:
-    """One attempt of `_held_long_stream`; None (after the stream ended) when it missed."""
+def _try_to_hold_a_long_stream(
+    fleet: VllmFleet, stories: list[str]
+) -> tuple[LongStream, LocalReplica, int] | None:
+    """One attempt of `_held_long_stream`; None (after the stream ended) when it missed, with
+    how it ended appended to `stories`."""
     before = {r.base_url: _decisions(fleet, r) for r in fleet.replicas}
+    sent = time.monotonic()
     stream = LongStream(fleet.gateway).begin()
     routed: list[LocalReplica] = []
 
@@ -297,13 +301,22 @@ def _try_to_hold_a_long_stream(fleet: VllmFleet) -> tuple[LongStream, LocalRepli
         60.0,
         "the long stream running in vLLM",
     )
+    after_freeze = "the stream ended before /stats showed it"
     if stream.ended_at is None:
         os.kill(engine, signal.SIGSTOP)
-        if replica_busy(victim.base_url) > 0:  # the frozen engine's last snapshot
+        busy = replica_busy(victim.base_url)  # the frozen engine's last snapshot
+        if busy > 0:
             _freeze_mid_stream(stream, engine)
             return stream, victim, engine
+        after_freeze = "seen running, then idle on /stats once its engine was frozen"
         os.kill(engine, signal.SIGCONT)
     wait_for(lambda: stream.ended_at is not None, 120.0, "the missed stream to end")
+    ended_s = (stream.ended_at or sent) - sent
+    last = stream.events[-1][:160] if stream.events else "none"
+    stories.append(
+        f"routed to {victim.base_url}, status {stream.status}, {len(stream.events)} events "
+        f"in {ended_s:.1f} s, {after_freeze}, last event {last!r}"
+    )
     return None
 
 
@@ -315,12 +328,17 @@ def _held_long_stream(fleet: VllmFleet) -> tuple[LongStream, LocalReplica, int]:
     The engine is frozen as soon as its ``/stats`` shows the request running, not when the
     client's first tokens arrive: on a starved box the API server may relay a whole stream
     in one burst at its end (module docstring), when there is nothing left to break. Tried
-    again (`HOLD_ATTEMPTS`) if the request still ended before it could be frozen."""
+    again (`HOLD_ATTEMPTS`) if the request still ended before it could be frozen; the
+    failure then says how each try ended."""
+    stories: list[str] = []
     for _ in range(HOLD_ATTEMPTS):
-        held = _try_to_hold_a_long_stream(fleet)
+        held = _try_to_hold_a_long_stream(fleet, stories)
         if held is not None:
             return held
-    raise AssertionError(f"the long stream ended before it could be held, {HOLD_ATTEMPTS} times")
+    raise AssertionError(
+        f"the long stream ended before it could be held, {HOLD_ATTEMPTS} times: "
+        + "; ".join(stories)
+    )
 
 
 def _load(fleet: VllmFleet, prefix: str) -> tuple[TrackedLoad, MetricsTimeline]:
@@ -488,18 +506,39 @@ def _finished_on(replica: LocalReplica, before: dict[str, float]) -> float:
     return sum(after.get(k, 0) - before.get(k, 0) for k in ("success_stop", "success_length"))
 
 
-def _one_long_stream_per_replica(fleet: VllmFleet) -> list[LongStream]:
+def _settled_counters(fleet: VllmFleet) -> list[dict[str, float]]:
+    """Every replica's `replica_counters` once they hold still for a second (vLLM's API server
+    publishes a finish after the engine reports it: seconds late on a busy box)."""
+    counters = [replica_counters(r.base_url) for r in fleet.replicas]
+    deadline = time.monotonic() + COUNTERS_SETTLE_S
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        latest = [replica_counters(r.base_url) for r in fleet.replicas]
+        if latest == counters:
+            break
+        counters = latest
+    return counters
+
+
+def _one_long_stream_per_replica(
+    fleet: VllmFleet,
+) -> tuple[list[LongStream], list[dict[str, float]]]:
     """One long stream running on each replica, placed by the gateway, in the order of
-    ``fleet.replicas`` (known from the gateway's decision counters). On a starved box a poll
-    can be late enough that both land on one replica (the other looked stale), or a start
-    can miss a timeout: then the streams are closed (vLLM aborts them) and placed again, up
-    to `HOLD_ATTEMPTS` times, so the test asserts what happens after the placement rather
-    than the placement."""
+    ``fleet.replicas`` (known from the gateway's decision counters), and every replica's
+    counters from just before they were sent (`_settled_counters`: on a quiet box a stream of
+    4,000 tokens can finish while counters read after its placement would still be loading,
+    so that its finish would be missed). On a starved box a poll can be late enough that both
+    land on one replica (the other looked stale), or a start can miss a timeout: then the
+    streams are closed (vLLM aborts them) and placed again, up to `HOLD_ATTEMPTS` times, so
+    the test asserts what happens after the placement rather than the placement."""
     urls = [r.base_url for r in fleet.replicas]
+    stories: list[str] = []
     for _ in range(HOLD_ATTEMPTS):
         fleet.settle()
+        counters = _settled_counters(fleet)
         placed: dict[str, LongStream] = {}
         streams: list[LongStream] = []
+        started = time.monotonic()
         try:
             for _ in fleet.replicas:
                 before = {r.base_url: _decisions(fleet, r) for r in fleet.replicas}
@@ -515,12 +554,24 @@ def _one_long_stream_per_replica(fleet: VllmFleet) -> list[LongStream]:
                 10.0,
                 "one long stream on each replica",
             )
-        except AssertionError:  # misplaced, or a start the busy box answered too late
+        except AssertionError as exc:  # misplaced, or a start the busy box answered too late
+            story = ", ".join(
+                f"stream {i}: {len(s.events)} events, "
+                + ("running" if s.ended_at is None else f"ended at {s.ended_at - started:.1f} s")
+                for i, s in enumerate(streams)
+            )
+            busy = [replica_busy(r.base_url) for r in fleet.replicas]
+            stories.append(
+                f"{' '.join(str(exc).split())[:160]} after {time.monotonic() - started:.1f} s "
+                f"({story}; replicas busy {busy})"
+            )
             for stream in streams:
                 stream.close()
             continue
-        return [placed[url] for url in urls]
-    raise AssertionError(f"no placement of one stream per replica in {HOLD_ATTEMPTS} tries")
+        return [placed[url] for url in urls], counters
+    raise AssertionError(
+        f"no placement of one stream per replica in {HOLD_ATTEMPTS} tries: " + "; ".join(stories)
+    )
 
 
 def _freeze_engine_mid_stream(replica: LocalReplica) -> tuple[int, float] | None:
@@ -545,8 +596,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     victim = fleet.replicas[0]
     assert victim.proc is not None
     for _ in range(HOLD_ATTEMPTS):
-        streams = _one_long_stream_per_replica(fleet)
-        counters_before = [replica_counters(r.base_url) for r in fleet.replicas]
+        streams, counters_before = _one_long_stream_per_replica(fleet)
         gw_before = fleet.metrics()
         # The victim's stream must be unfinished when its API server stops (else the client
         # gets all of it): its engine is held from here until then, a moment.
@@ -616,7 +666,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     )
     assert len(moved) >= header_cuts  # each cut request was answered elsewhere, later
     avoid_s = run.timeline.avoid_time_s(victim.base_url, stopped_at, resumed_at)
-    assert avoid_s <= AVOID_BOUND_S
+    assert avoid_s <= AVOID_BOUND_S, (avoid_s, _routing_story(samples, fleet))
     drop_s = _aborted_in_vllm(victim)
     fleet.settle()
 
@@ -627,24 +677,13 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
     # than the rest of the stream there), and it was never sent anywhere else.
     # vLLM's API server publishes its counters after the engine reports the finish (an idle
     # engine is no proof they are in): read until they hold still for a second.
-    def counts() -> tuple[list[float], list[float]]:
-        pairs = list(zip(fleet.replicas, counters_before, strict=True))
-        return (
-            [_finished_on(r, before) for r, before in pairs],
-            [
-                replica_counters(r.base_url)["finished_long"] - before["finished_long"]
-                for r, before in pairs
-            ],
-        )
-
-    finished, long = counts()
-    deadline = time.monotonic() + COUNTERS_SETTLE_S
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        latest = counts()
-        if latest == (finished, long):
-            break
-        finished, long = latest
+    after = _settled_counters(fleet)
+    pairs = list(zip(after, counters_before, strict=True))
+    finished = [
+        sum(now.get(k, 0) - before.get(k, 0) for k in ("success_stop", "success_length"))
+        for now, before in pairs
+    ]
+    long = [now.get("finished_long", 0) - before.get("finished_long", 0) for now, before in pairs]
     assert sum(finished) - sum(long) == kinds["ok"], (finished, long)
     assert long[1] == 1, long
     assert long[0] in (0, 1), long
