@@ -133,8 +133,8 @@ class SharedAccounting:
 
     @classmethod
     def create(cls, workers: int, slots: int = DEFAULT_SLOTS) -> SharedAccounting:
-        """A new zeroed block for `workers` workers (the supervisor's; `unlink` it at exit).
-        The handle's own row is worker 0's but the supervisor writes nothing."""
+        """A new zeroed block for `workers` workers (the supervisor's: its `close` removes
+        the file). The handle's own row is worker 0's but the supervisor writes nothing."""
         if workers < 1 or slots < 1:
             raise ValueError(f"need workers >= 1 and slots >= 1, got {workers}, {slots}")
         size = 8 * (HEADER + workers * slots * ENTRY)
