@@ -6,6 +6,7 @@
 * `background_load()` — `bench.faultload.TrackedLoad` and `MetricsTimeline` in a thread of
   their own while the test injects faults from the main thread.
 * `engine_core_pid()` — vLLM's EngineCore child of a replica's API server.
+* `engine_busy()` — what a replica's engine last published, read from its snapshot file.
 * `FAULT_MEASUREMENTS` / `measured()` — numbers a test measured (printed with ``-s`` and at the
   end of the session), for the failure table in docs/gateway.md.
 """
@@ -29,6 +30,7 @@ import httpx
 import psutil
 
 from bench.faultload import MetricsTimeline, Outcome, TrackedLoad
+from engine_patch.snapshot import SnapshotError, SnapshotReader, snapshot_path
 from tests.gateway_support import wait_ok
 
 FAULT_MEASUREMENTS: list[str] = []
@@ -203,3 +205,21 @@ def replica_busy(url: str) -> int:
     """``num_running + num_waiting`` from a replica's ``/stats``."""
     body = httpx.get(f"{url}/stats", timeout=5.0).json()
     return int(body["num_running"]) + int(body["num_waiting"])
+
+
+def engine_busy(stats_prefix: str) -> int:
+    """``num_running + num_waiting`` as a replica's engine (data-parallel rank 0) last
+    published it, read from its snapshot file under `stats_prefix` (the replica's
+    ``SAL_STATS_PREFIX``); 0 before it has published.
+
+    The same numbers ``/stats`` serves, without the API server in the way: while it relays a
+    long stream on a starved box, it answers ``/stats`` seconds late (measured up to 8.4 s),
+    long enough for a 4,000-token stream to end unseen."""
+    reader = SnapshotReader(snapshot_path(stats_prefix, 0))
+    try:
+        record = reader.read()
+    except SnapshotError:
+        return 0
+    finally:
+        reader.close()
+    return 0 if record is None else record.stats.num_running + record.stats.num_waiting

@@ -66,10 +66,12 @@ from bench.faultload import (
     tracked_stream,
 )
 from bench.processes import PortAllocator
+from engine_patch.patch_config import STATS_PREFIX_ENV
 from engine_patch.replica import LocalReplica, replica_command
 from tests.fault_support import (
     LoadRun,
     background_load,
+    engine_busy,
     engine_core_pid,
     measured,
     replica_busy,
@@ -106,6 +108,13 @@ LONG = {"max_tokens": 4000, "ignore_eos": True}
 class VllmFleet:
     gateway: str
     replicas: list[LocalReplica]
+    stats_prefixes: dict[str, str]
+    """Each replica's ``SAL_STATS_PREFIX`` by base URL (`engine_busy` reads its engine's
+    snapshot file there)."""
+
+    def engine_busy(self, replica: LocalReplica) -> int:
+        """What `replica`'s engine last published as running + waiting (no API server)."""
+        return engine_busy(self.stats_prefixes[replica.base_url])
 
     def metrics(self) -> dict[Any, float]:
         return parse_metrics(httpx.get(f"{self.gateway}/metrics", timeout=5.0).text)
@@ -160,15 +169,20 @@ def _gateway(
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
     ports = PortAllocator(22000, 22100)
-    replicas = [
-        LocalReplica(
+    snapshots = tmp_path_factory.mktemp("snapshots")
+    replicas = []
+    prefixes = {}
+    for port in (ports.take(), ports.take()):
+        prefix = str(snapshots / f"replica-{port}")
+        replica = LocalReplica(
             replica_command(tiny_model_dir, port, extra_args=REPLICA_ARGS),
             port,
+            env={STATS_PREFIX_ENV: prefix},
         )
-        for port in (ports.take(), ports.take())
-    ]
+        replicas.append(replica)
+        prefixes[replica.base_url] = prefix
     try:
         with ThreadPoolExecutor(2) as pool:  # the two ~60 s start-ups overlap
             for future in [pool.submit(r.start) for r in replicas]:
@@ -177,7 +191,7 @@ def fleet(tiny_model_dir: Path) -> Iterator[VllmFleet]:
             _warm_up(r)
         config = _gateway(ports.take(), replicas, tiny_model_dir, "sal")
         with run_gateway(config) as url:
-            yield VllmFleet(url, replicas)
+            yield VllmFleet(url, replicas, prefixes)
     finally:
         for r in replicas:
             r.stop()
@@ -286,35 +300,32 @@ def _try_to_hold_a_long_stream(
     before = {r.base_url: _decisions(fleet, r) for r in fleet.replicas}
     sent = time.monotonic()
     stream = LongStream(fleet.gateway).begin()
-    routed: list[LocalReplica] = []
+    running: list[LocalReplica] = []
 
-    def decided() -> bool:
-        routed[:] = [r for r in fleet.replicas if _decisions(fleet, r) > before[r.base_url]]
-        return len(routed) == 1
+    def started() -> bool:
+        running[:] = [r for r in fleet.replicas if fleet.engine_busy(r) > 0]
+        return bool(running) or stream.ended_at is not None
 
-    wait_for(decided, 30.0, "the long stream routed")
-    victim = routed[0]
-    assert victim.proc is not None
-    engine = engine_core_pid(victim.proc.pid)
-    wait_for(
-        lambda: replica_busy(victim.base_url) > 0 or stream.ended_at is not None,
-        60.0,
-        "the long stream running in vLLM",
-    )
-    after_freeze = "the stream ended before /stats showed it"
-    if stream.ended_at is None:
+    wait_for(started, 60.0, "the long stream running in vLLM")
+    after_freeze = "the stream ended before its engine showed it"
+    victim = running[0] if running else None
+    if victim is not None and stream.ended_at is None:
+        assert victim.proc is not None
+        engine = engine_core_pid(victim.proc.pid)
         os.kill(engine, signal.SIGSTOP)
-        busy = replica_busy(victim.base_url)  # the frozen engine's last snapshot
-        if busy > 0:
+        if fleet.engine_busy(victim) > 0:  # the frozen engine's last snapshot
+            routed = [r for r in fleet.replicas if _decisions(fleet, r) > before[r.base_url]]
+            assert routed == [victim], ([r.base_url for r in routed], victim.base_url)
             _freeze_mid_stream(stream, engine)
             return stream, victim, engine
-        after_freeze = "seen running, then idle on /stats once its engine was frozen"
+        after_freeze = "seen running, then idle once its engine was frozen"
         os.kill(engine, signal.SIGCONT)
     wait_for(lambda: stream.ended_at is not None, 120.0, "the missed stream to end")
     ended_s = (stream.ended_at or sent) - sent
     last = stream.events[-1][:160] if stream.events else "none"
+    where = "nowhere" if victim is None else victim.base_url
     stories.append(
-        f"routed to {victim.base_url}, status {stream.status}, {len(stream.events)} events "
+        f"seen running on {where}, status {stream.status}, {len(stream.events)} events "
         f"in {ended_s:.1f} s, {after_freeze}, last event {last!r}"
     )
     return None
@@ -325,11 +336,13 @@ def _held_long_stream(fleet: VllmFleet) -> tuple[LongStream, LocalReplica, int]:
     the request runs there and once the client has some of it. Returns the stream, the
     replica (the one the gateway routed it to, by its decision counters) and its engine's PID.
 
-    The engine is frozen as soon as its ``/stats`` shows the request running, not when the
-    client's first tokens arrive: on a starved box the API server may relay a whole stream
-    in one burst at its end (module docstring), when there is nothing left to break. Tried
-    again (`HOLD_ATTEMPTS`) if the request still ended before it could be frozen; the
-    failure then says how each try ended."""
+    The engine is frozen as soon as its snapshot (what ``/stats`` serves, read from the file:
+    `engine_busy`) shows the request running, not when the client's first tokens arrive: on
+    a starved box the API server may relay a whole stream in one burst at its end (module
+    docstring), when there is nothing left to break, and answers ``/stats`` itself seconds
+    late (three tries of a CI run missed 4,000-token streams that way). Tried again
+    (`HOLD_ATTEMPTS`) if the request still ended before it could be frozen; the failure then
+    says how each try ended."""
     stories: list[str] = []
     for _ in range(HOLD_ATTEMPTS):
         held = _try_to_hold_a_long_stream(fleet, stories)
@@ -550,7 +563,7 @@ def _one_long_stream_per_replica(
                 placed[routed[0]] = streams[-1]
             assert sorted(placed) == sorted(urls), placed.keys()
             wait_for(
-                lambda: all(replica_busy(r.base_url) == 1 for r in fleet.replicas),
+                lambda: all(fleet.engine_busy(r) == 1 for r in fleet.replicas),
                 10.0,
                 "one long stream on each replica",
             )
@@ -560,7 +573,7 @@ def _one_long_stream_per_replica(
                 + ("running" if s.ended_at is None else f"ended at {s.ended_at - started:.1f} s")
                 for i, s in enumerate(streams)
             )
-            busy = [replica_busy(r.base_url) for r in fleet.replicas]
+            busy = [fleet.engine_busy(r) for r in fleet.replicas]
             stories.append(
                 f"{' '.join(str(exc).split())[:160]} after {time.monotonic() - started:.1f} s "
                 f"({story}; replicas busy {busy})"
@@ -574,7 +587,7 @@ def _one_long_stream_per_replica(
     )
 
 
-def _freeze_engine_mid_stream(replica: LocalReplica) -> tuple[int, float] | None:
+def _freeze_engine_mid_stream(fleet: VllmFleet, replica: LocalReplica) -> tuple[int, float] | None:
     """Freeze `replica`'s engine (SIGSTOP on EngineCore) if its one request is unfinished
     then, and return the engine's PID (the caller resumes it) and when it froze (monotonic);
     None (not frozen) if the request already ran to its end: on a quiet box 4,000 tokens of
@@ -584,7 +597,7 @@ def _freeze_engine_mid_stream(replica: LocalReplica) -> tuple[int, float] | None
     engine = engine_core_pid(replica.proc.pid)
     frozen_at = time.monotonic()
     os.kill(engine, signal.SIGSTOP)
-    if replica_busy(replica.base_url) == 1:
+    if fleet.engine_busy(replica) == 1:
         return engine, frozen_at
     os.kill(engine, signal.SIGCONT)
     return None
@@ -600,7 +613,7 @@ def test_frozen_api_server_requests_move_and_do_not_run_twice(fleet: VllmFleet) 
         gw_before = fleet.metrics()
         # The victim's stream must be unfinished when its API server stops (else the client
         # gets all of it): its engine is held from here until then, a moment.
-        frozen = _freeze_engine_mid_stream(victim)
+        frozen = _freeze_engine_mid_stream(fleet, victim)
         if frozen is not None:
             break
         for stream in streams:
@@ -792,7 +805,7 @@ def test_non_streamed_request_on_a_frozen_engine_is_answered_by_the_other_replic
     assert target.proc is not None
     port = PortAllocator(22200, 22300).take()
     with run_gateway(_gateway(port, [target, other], tiny_model_dir, "round_robin")) as gw:
-        rr = VllmFleet(gw, fleet.replicas)
+        rr = VllmFleet(gw, fleet.replicas, fleet.stats_prefixes)
         rr.settle()
         target_before, other_before = (replica_counters(r.base_url) for r in (target, other))
         engine = engine_core_pid(target.proc.pid)
@@ -838,7 +851,7 @@ def test_gateway_sigterm_ends_what_outlasts_the_grace_cleanly_and_vllm_aborts(
     frozen = False
     try:
         with run_gateway_process(config) as (gw, proc):
-            mine = VllmFleet(gw, fleet.replicas)
+            mine = VllmFleet(gw, fleet.replicas, fleet.stats_prefixes)
             mine.settle()
             answers: dict[str, httpx.Response] = {}
 
@@ -907,7 +920,7 @@ def test_sigkill_after_accept_before_first_token_is_rerouted(
     other_before = replica_counters(other.base_url)
     port = PortAllocator(22100, 22200).take()
     with run_gateway(_gateway(port, [target, other], tiny_model_dir, "round_robin")) as gw:
-        rr = VllmFleet(gw, fleet.replicas)
+        rr = VllmFleet(gw, fleet.replicas, fleet.stats_prefixes)
         rr.settle()
         # Its engine frozen, the target still accepts (the API server sends the stream's
         # headers) but cannot produce a token.
