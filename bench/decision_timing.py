@@ -4,13 +4,15 @@ The snapshot is random but seeded (every backend eligible except every 16th, var
 queued tokens), and one request of 1,000 prompt tokens is routed over and over. The result is
 the per-call time of `Policy.select()` (the pure decision), plus, for SAL, the whole
 per-request routing work the gateway does on its event loop: `StateTable.views()` (building
-the 64 `BackendView` snapshots) followed by `select()`, alone and as one of 8 workers sharing
-their accounting (``listen.workers``).
+the 64 `BackendView` snapshots) followed by `select()`, alone, as one of 8 workers sharing
+their accounting (``listen.workers``) and as one of 8 gateways telling each other theirs
+(``peers``).
 """
 
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,7 +20,10 @@ from dataclasses import dataclass, replace
 from sal_core.percentile import percentile
 from sal_core.policies import POLICIES, BackendView, RouteRequest, make_policy
 from sal_core.stats import ReplicaStats
-from sal_gateway.shared_accounting import SharedAccounting
+from sal_gateway.config import PeersConfig
+from sal_gateway.peer_wire import MAX_ROWS, PeerRow, encode
+from sal_gateway.peers import PeerNetwork, bind_socket
+from sal_gateway.shared_accounting import SharedAccounting, backend_key
 from sal_gateway.state import StateTable
 
 _MODEL = "tiny"
@@ -80,10 +85,11 @@ def time_policy(name: str, n_backends: int, calls: int, batch: int = 50) -> Deci
 
 
 def _state_table(
-    n_backends: int, seed: int = 0, peers: SharedAccounting | None = None
+    n_backends: int, seed: int = 0, peers: SharedAccounting | PeerNetwork | None = None
 ) -> StateTable:
     """A `StateTable` of one model with ``n_backends`` freshly polled backends (at t=0);
-    `peers`: this worker's handle on the workers' shared accounting."""
+    `peers`: this worker's handle on the workers' shared accounting, or this gateway's
+    exchange with gateways on other hosts."""
     rng = random.Random(seed)
     table = StateTable(
         stale_after_s=1.0, eject_after_failures=3, peers=None if peers is None else peers.slot
@@ -102,18 +108,39 @@ def _state_table(
     return table
 
 
-def time_request_path(name: str, n_backends: int, calls: int, workers: int = 1) -> DecisionTiming:
+def _told_by_peers(n_backends: int, gateways: int) -> tuple[PeerNetwork, socket.socket]:
+    """A `PeerNetwork` (not started: no traffic) that has heard, through its own decoder,
+    from `gateways` - 1 other gateways, each with a request on every backend."""
+    secret = b"decision-timing-secret"
+    config = PeersConfig(listen="127.0.0.1:0", addresses=("127.0.0.1:9",))
+    sock = bind_socket(config)
+    network = PeerNetwork(config, secret, sock)
+    keys = [backend_key(_MODEL, v.url) for v in make_snapshot(n_backends)]
+    for sender in range(1, gateways):
+        for start in range(0, len(keys), MAX_ROWS):
+            rows = [PeerRow(k, 1, 100, 100) for k in keys[start : start + MAX_ROWS]]
+            network.datagram_received(encode(secret, sender, start + 1, rows), ("", 0))
+    return network, sock
+
+
+def time_request_path(
+    name: str, n_backends: int, calls: int, workers: int = 1, peers: int = 1
+) -> DecisionTiming:
     """Time what the gateway does per request: `StateTable.views()` then `Policy.select()`.
     With `workers` > 1, as one of that many ``listen.workers`` sharing their accounting,
     every other worker having routed a request to every backend (each view then reads
-    every other worker's entry)."""
+    every other worker's entry); with `peers` > 1, as one of that many gateways telling
+    each other (``peers``), likewise."""
     policy = make_policy(name, seed=0)
+    told = _told_by_peers(n_backends, peers) if peers > 1 else None
     owner = SharedAccounting.create(workers) if workers > 1 else None
     handles = (
         [] if owner is None else [SharedAccounting.attach(owner.name, w) for w in range(workers)]
     )
     try:
-        table = _state_table(n_backends, peers=handles[0] if handles else None)
+        table = _state_table(
+            n_backends, peers=handles[0] if handles else None if told is None else told[0]
+        )
         for handle in handles[1:]:
             other = _state_table(n_backends, peers=handle)
             for backend in other.backends(_MODEL):
@@ -130,9 +157,13 @@ def time_request_path(name: str, n_backends: int, calls: int, workers: int = 1) 
             handle.close()
         if owner is not None:
             owner.close()
+        if told is not None:
+            told[1].close()
     label = f"{name}: views() + select()"
     if workers > 1:
         label += f", {workers} workers sharing"
+    if peers > 1:
+        label += f", {peers} gateways telling each other"
     return DecisionTiming(
         policy=label,
         backends=n_backends,
@@ -148,6 +179,7 @@ def time_all_policies(n_backends: int = 64, calls: int = 20_000) -> list[Decisio
     rows = [time_policy(name, n_backends, calls) for name in sorted(POLICIES)]
     rows.append(time_request_path("sal", n_backends, calls))
     rows.append(time_request_path("sal", n_backends, calls, workers=8))
+    rows.append(time_request_path("sal", n_backends, calls, peers=8))
     return rows
 
 

@@ -44,14 +44,31 @@ HELP = (
 
 Row = dict[str, Any]
 
-ROUTERS = ("sal", "sal_shared", "sal_near", "p2c", "least_requests", "round_robin", "random")
+ROUTERS = (
+    "sal",
+    "sal_shared",
+    "sal_near",
+    "sal_peers",
+    "sal_gossip",
+    "p2c",
+    "least_requests",
+    "round_robin",
+    "random",
+)
 """`sal_shared` is `sal` on the workers of one host sharing their between-poll accounting
 (``listen.workers`` with ``listen.share_accounting``; `RouterConfig.shared_accounting`);
 `sal_near` is the herding fix for gateways that cannot share it (separate hosts,
-`sal_core.policies.SALNearBest`)."""
+`sal_core.policies.SALNearBest`). `sal_peers` is `sal` on separate hosts telling each other
+their accounting at every change (``peers``, `sal_gateway.peers`); `sal_gossip`, a what-if
+not built, tells it on a timer instead (`GOSSIP`)."""
 
 SHARED = {"sal_shared": "sal"}
 """Rows whose gateways share their accounting, and the policy they run."""
+
+GOSSIP = {"sal_peers": (0.0, 0.0002), "sal_gossip": (0.025, 0.001)}
+"""Rows whose gateways tell each other their accounting (`RouterConfig.gossip_interval_s`,
+`gossip_delay_s`), all running `sal`: at every change with 0.2 ms of network delay (what
+``peers`` does within one cluster), and every 25 ms with 1 ms."""
 
 LOADS = {"chat": 2.0, "chat-bursty": 0.5, "code": 0.6}
 """Load (multiples of the fleet's 1x) per workload: near p2c+fcfs's capacity on 8 x 8B."""
@@ -138,12 +155,15 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
     for router in ROUTERS:
         for k in plan.gateways:
             started = time.perf_counter()
-            policy = SHARED.get(router, router)
+            policy = SHARED.get(router, "sal" if router in GOSSIP else router)
+            interval_s, delay_s = GOSSIP.get(router, (None, 0.0))
             config = RouterConfig(
                 seed=index,
                 gateways=k,
                 gateway_split=plan.split,
                 shared_accounting=router in SHARED,
+                gossip_interval_s=interval_s,
+                gossip_delay_s=delay_s,
             )
             result = run_stack(
                 reqs,

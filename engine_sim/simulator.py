@@ -139,6 +139,14 @@ class RouterConfig:
     between-poll accounting (``listen.share_accounting``, `sal_gateway.shared_accounting`):
     each decides on its own snapshot plus every gateway's in-flight requests and
     unacknowledged tokens. False: each counts only what it routed itself."""
+    gossip_interval_s: float | None = None
+    """A what-if (nothing in the gateway does this): several gateways on separate hosts
+    telling each other their between-poll accounting over the network. Every
+    `gossip_interval_s` (0: at every change, a message per event) each gateway sends its
+    in-flight counts and unacknowledged tokens, which reach the others `gossip_delay_s`
+    later; each decides on its own fresh counts plus the others' latest. None: off."""
+    gossip_delay_s: float = 0.001
+    """One-way network delay of a gossip message (see `gossip_interval_s`)."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -162,6 +170,13 @@ class RouterConfig:
             raise SimulationError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.stats_delay_s < 0:
             raise SimulationError(f"stats_delay_s must be >= 0, got {self.stats_delay_s}")
+        if (self.gossip_interval_s or 0.0) < 0 or self.gossip_delay_s < 0:
+            raise SimulationError(
+                f"gossip_interval_s and gossip_delay_s must be >= 0, got "
+                f"{self.gossip_interval_s} and {self.gossip_delay_s}"
+            )
+        if self.gossip_interval_s is not None and self.shared_accounting:
+            raise SimulationError("gossip_interval_s and shared_accounting exclude each other")
 
 
 @dataclass(slots=True)
@@ -345,6 +360,11 @@ class Simulation:
             [_RouterView(e.stats(first_s)) for e in self._engines] for _ in range(cfg.gateways)
         ]
         self._decisions: list[RoutingRecord] = []
+        # Gossip between gateways: each gateway's counts after every change (time, counts
+        # per replica), oldest first, kept back to the newest one a reader may still use.
+        self._gossip_history: list[deque[tuple[float, list[tuple[int, int, int]]]]] = [
+            deque() for _ in range(cfg.gateways)
+        ]
         # Each gateway keeps its own index of what it routed (approximate), or reads the
         # engines' truth (oracle).
         self._caches = [
@@ -479,6 +499,7 @@ class Simulation:
         for replica, (view, snap) in enumerate(zip(self._views[gateway], latest[1], strict=True)):
             view.apply(snap, self._router_cfg)
             self._caches[gateway].on_snapshot(replica, snap.kv_blocks_total, snap.block_size)
+        self._counts_changed(gateway, now_s)
 
     def _arrive(self, index: int, now_s: float) -> None:
         req = self._requests[index]
@@ -499,6 +520,15 @@ class Simulation:
                     sum(c[0] for c in every),
                     sum(c[1] for c in every),
                     sum(c[2] for c in every),
+                )
+        elif self._router_cfg.gossip_interval_s is not None and len(self._views) > 1:
+            heard = self._gossip(gateway, now_s)
+            for r in range(len(views)):
+                own = views[r].counts()
+                counts[r] = (
+                    own[0] + sum(h[r][0] for h in heard),
+                    own[1] + sum(h[r][1] for h in heard),
+                    own[2] + sum(h[r][2] for h in heard),
                 )
         backends = [
             v.backend_view(u, hold, c)
@@ -522,10 +552,44 @@ class Simulation:
             self._keys[request_id] = keys
             self._predicted[request_id] = holds[replica].cached_tokens
         self._routed[replica] += 1
+        self._counts_changed(gateway, now_s)
         self._submit(self._engines[replica], request_id, now_s, req)
         if not self._busy[replica]:
             self._busy[replica] = True
             self._push(now_s, _PRIO_WAKE, replica)
+
+    def _counts_changed(self, gateway: int, now_s: float) -> None:
+        """Remember `gateway`'s counts as of `now_s` for the others (gossip only)."""
+        if self._router_cfg.gossip_interval_s is not None and len(self._views) > 1:
+            counts = [v.counts() for v in self._views[gateway]]
+            history = self._gossip_history[gateway]
+            if history and history[-1][0] == now_s:
+                history.pop()
+            history.append((now_s, counts))
+
+    def _gossip(self, gateway: int, now_s: float) -> list[list[tuple[int, int, int]]]:
+        """The other gateways' counts as last heard by `now_s`: each sends its counts every
+        `gossip_interval_s` (on a phase of its own, offset by interval / K from one gateway
+        to the next, like the polls; 0: at every change), and they arrive
+        `gossip_delay_s` later."""
+        interval_s = self._router_cfg.gossip_interval_s
+        assert interval_s is not None
+        k = len(self._views)
+        heard: list[list[tuple[int, int, int]]] = []
+        for g in range(k):
+            if g == gateway:
+                continue
+            sent_s = now_s - self._router_cfg.gossip_delay_s
+            if interval_s > 0:
+                phase_s = interval_s * g / k
+                tick_s = math.floor((sent_s - phase_s) / interval_s) * interval_s + phase_s
+                sent_s = min(sent_s, tick_s)  # min: float rounding
+            history = self._gossip_history[g]
+            while len(history) > 1 and history[1][0] <= sent_s:
+                history.popleft()
+            if history and history[0][0] <= sent_s:
+                heard.append(history[0][1])
+        return heard
 
     def _step_boundary(self, replica: int, now_s: float) -> None:
         """End the replica's running iteration (deliver its tokens), then start the next."""
@@ -561,6 +625,7 @@ class Simulation:
             req = self._requests[index]
             gateway = self._gateway_of[index]
             self._views[gateway][replica].finish(self._tickets.pop(request_id), self._router_cfg)
+            self._counts_changed(gateway, now_s)
             keys = self._keys.pop(request_id, None)
             if keys is not None:
                 self._caches[gateway].on_finish(replica, keys)

@@ -54,6 +54,7 @@ from sal_gateway.front_door import FrontDoor
 from sal_gateway.loop_monitor import watch_loop
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.model_catalog import READ_TIMEOUT_S, ModelCatalog, http_fetch, refresh_models
+from sal_gateway.peers import PeerLink, PeerNetwork, open_peer_link
 from sal_gateway.poller import Poller
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.proxy import Forwarder, make_session
@@ -112,6 +113,8 @@ class Runtime:
     """Subscribers to the replicas' KV-cache events (``routing.prefix_cache: kv_events``)."""
     drain: Drain = field(default_factory=Drain)
     """Whether the process is shutting down (`sal_gateway.drain`)."""
+    peers: PeerNetwork | None = None
+    """The exchange of between-poll accounting with gateways on other hosts (``peers``)."""
 
     async def aclose(self) -> None:
         for task in self.tasks:
@@ -122,6 +125,8 @@ class Runtime:
         await self.poller.stop_all()
         if self.kv_events is not None:
             await self.kv_events.stop()
+        if self.peers is not None:
+            await self.peers.close()
         await self.forwarder.aclose()
         await self.session.close()
 
@@ -185,22 +190,37 @@ async def build_runtime(
     clock: Callable[[], float] = time.monotonic,
     drain: Drain | None = None,
     accounting: SharedAccounting | None = None,
+    peer_link: PeerLink | None = None,
 ) -> Runtime:
     """Build and start everything (pollers, discovery); call inside the running loop.
     `drain`: the process's shutdown state (`sal_gateway.drain`; a new one when None);
-    `accounting`: the workers' shared between-poll accounting (None: this process alone)."""
+    `accounting`: the workers' shared between-poll accounting (None: this process alone);
+    `peer_link`: the secret and bound socket of ``peers`` (`open_peer_link`; None: off)."""
     drain = Drain() if drain is None else drain
     if counters is None:
         counters = await asyncio.to_thread(load_counters, config)
     routing = config.routing
+    metrics = GatewayMetrics(__version__)
+    network = None
+    if peer_link is not None:
+        network = PeerNetwork(
+            config.peers,
+            peer_link.secret,
+            peer_link.sock,
+            clock=clock,
+            on_datagram=lambda result: metrics.peer_datagrams.labels(result=result).inc(),
+            on_sent=metrics.on_peer_sent,
+        )
+        await network.start()
     table = StateTable(
         routing.stale_after_s,
         routing.eject_after_failures,
         accounting_grace_s=routing.accounting_grace_s,
         clock=clock,
-        peers=None if accounting is None else accounting.slot,
+        peers=(
+            network.slot if network is not None else None if accounting is None else accounting.slot
+        ),
     )
-    metrics = GatewayMetrics(__version__)
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
     session = make_session(config.proxy)
     prefix = None if routing.prefix_cache == "off" else PrefixTracker(routing.prefix_cache)
@@ -236,6 +256,7 @@ async def build_runtime(
         clock=clock,
         prefix=prefix,
         drain=drain,
+        peers=network,
     )
     if prefix is not None:
         poller.on_stats = runtime.on_stats
@@ -435,6 +456,7 @@ def create_app(
     `tracing` replaces the one ``config.tracing`` describes (tests: an in-memory exporter).
     Raises `TracingError` when tracing is enabled but cannot be set up."""
     upstream_key = backend_key(config.auth)  # read now: a bad key file fails before serving
+    peer_link = open_peer_link(config.peers, os.environ)  # likewise a missing secret or port
     drain = Drain()
     if tracing is None:
         tracing = build_tracing(config.tracing, os.environ)
@@ -448,6 +470,7 @@ def create_app(
             clock=clock,
             drain=drain,
             accounting=accounting,
+            peer_link=peer_link,
         )
         runtime.backend_key = upstream_key
         _start_model_refresh(runtime)
@@ -562,6 +585,8 @@ def create_app(
     async def metrics(request: Request) -> Response:
         rt: Runtime = request.app.state.runtime
         rt.metrics.refresh(rt.table, rt.clock(), {m: b.beta for m, b in rt.betas.items()})
+        if rt.peers is not None:
+            rt.metrics.peers_heard.set(rt.peers.heard())
         return Response(
             rt.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from sal_gateway import __version__
 from sal_gateway.auth import AuthConfigError
 from sal_gateway.config import ConfigError, GatewayConfig, load_config
+from sal_gateway.peers import PeersError
 from sal_gateway.tokenizer import TokenizerLoadError
 from sal_gateway.tracing import TracingError
 
@@ -180,7 +181,7 @@ def serve_worker(
     """`serve` in a worker process: a config error exits 2 with one line, as `main` does."""
     try:
         serve(config, sockets, accounting)
-    except (TokenizerLoadError, AuthConfigError, TracingError) as exc:
+    except (TokenizerLoadError, AuthConfigError, TracingError, PeersError) as exc:
         print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
 
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_BAD_CONFIG
     try:
         serve(config)
-    except (TokenizerLoadError, AuthConfigError, TracingError) as exc:
+    except (TokenizerLoadError, AuthConfigError, TracingError, PeersError) as exc:
         print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     return 0

@@ -323,6 +323,34 @@ class TracingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PeersConfig:
+    """Gateways on separate hosts telling each other their between-poll accounting over UDP
+    (`sal_gateway.peers`), so that several gateways in front of the same replicas route as
+    one. Off unless `listen` is set."""
+
+    listen: str | None = None
+    """``host:port`` to receive the other gateways' counts on (UDP), e.g. ``0.0.0.0:7946``.
+    None: off."""
+    addresses: tuple[str, ...] = ()
+    """The other gateways, ``host:port`` each; a name is resolved again every `resolve_s`
+    and every address it resolves to is a peer (a Kubernetes headless service names every
+    gateway pod). Listing this gateway itself is harmless."""
+    secret_env: str = "SAL_GATEWAY_PEERS_SECRET"
+    """Environment variable holding the secret every gateway shares (at least 16 bytes):
+    datagrams without its tag are dropped."""
+    heartbeat_s: float = 0.1
+    """A gateway sends its full state at least this often (changes go out at once)."""
+    expire_s: float = 1.0
+    """A peer not heard for this long stops counting (a dead gateway's requests)."""
+    resolve_s: float = 5.0
+    """Seconds between resolutions of `addresses`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.listen is not None
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The whole gateway configuration (``config.yaml``)."""
 
@@ -337,6 +365,7 @@ class GatewayConfig:
     """One of critical, error, warning, info, debug."""
     # helper F: OpenTelemetry tracing
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
 
     def model(self, name: str) -> ModelConfig | None:
         """The model config served as `name`, or None."""
@@ -755,6 +784,63 @@ def _tracing(path: str, data: Mapping[str, Any]) -> TracingConfig:  # helper F
     )
 
 
+def split_host_port(value: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) split, or `ConfigError`."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"expected host:port, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _host_port(path: str, value: object, *, any_port: bool) -> str:
+    text = _as_str(path, value)
+    try:
+        _, port = split_host_port(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if port == 0 and not any_port:
+        raise ConfigError(f"{path}: port 0 names no peer, got {text!r}")
+    return text
+
+
+def _peers(path: str, data: Mapping[str, Any], listen: ListenConfig) -> PeersConfig:
+    _check_keys(path, data, PeersConfig)
+    d = PeersConfig()
+    raw_listen = data.get("listen", d.listen)
+    peer_listen = None
+    if raw_listen is not None:
+        peer_listen = _host_port(f"{path}.listen", raw_listen, any_port=True)
+    addresses = tuple(
+        _host_port(f"{path}.addresses[{i}]", a, any_port=False)
+        for i, a in enumerate(_str_list(f"{path}.addresses", data.get("addresses", [])))
+    )
+    if peer_listen is None and addresses:
+        raise ConfigError(f"{path}.addresses: set {path}.listen too (where peers send to)")
+    if peer_listen is not None and not addresses:
+        raise ConfigError(f"{path}.addresses: list the other gateways (host:port each)")
+    if peer_listen is not None and listen.workers > 1:
+        raise ConfigError(
+            f"{path}: not with listen.workers > 1 (the workers of one host already share "
+            "their accounting; run one worker per gateway that uses peers)"
+        )
+    heartbeat = _as_float(f"{path}.heartbeat_s", data.get("heartbeat_s", d.heartbeat_s))
+    expire = _as_float(f"{path}.expire_s", data.get("expire_s", d.expire_s))
+    if expire <= heartbeat:
+        raise ConfigError(
+            f"{path}.expire_s: must exceed heartbeat_s ({heartbeat:g}), got {expire:g}"
+        )
+    return PeersConfig(
+        listen=peer_listen,
+        addresses=addresses,
+        secret_env=_as_str(f"{path}.secret_env", data.get("secret_env", d.secret_env)),
+        heartbeat_s=heartbeat,
+        expire_s=expire,
+        resolve_s=_as_float(f"{path}.resolve_s", data.get("resolve_s", d.resolve_s)),
+    )
+
+
 def build_config(data: object) -> GatewayConfig:
     """Validate plain data (as decoded from YAML) into a `GatewayConfig`."""
     root = _as_mapping("<root>", data)
@@ -772,15 +858,17 @@ def build_config(data: object) -> GatewayConfig:
     log_level = _as_str("log_level", root.get("log_level", "info")).lower()
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"log_level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    listen = _listen("listen", _as_mapping("listen", root.get("listen") or {}))
     return GatewayConfig(
         models=models,
-        listen=_listen("listen", _as_mapping("listen", root.get("listen") or {})),
+        listen=listen,
         routing=_routing("routing", _as_mapping("routing", root.get("routing") or {})),
         proxy=_proxy("proxy", _as_mapping("proxy", root.get("proxy") or {})),
         limits=_limits("limits", _as_mapping("limits", root.get("limits") or {})),
         auth=_auth("auth", _as_mapping("auth", root.get("auth") or {})),
         log_level=log_level,
         tracing=_tracing("tracing", _as_mapping("tracing", root.get("tracing") or {})),
+        peers=_peers("peers", _as_mapping("peers", root.get("peers") or {}), listen),
     )
 
 

@@ -316,6 +316,31 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.peer_datagrams = Counter(
+            "sal_peer_datagrams",
+            "Datagrams received from other gateways (peers), by result: accepted; old (a "
+            "newer one had set its counts); own (sent by this gateway); bad_tag (not sent "
+            "with the shared secret, or changed); malformed; too_many_peers",
+            ["result"],
+            registry=r,
+        )
+        self.peer_datagrams_sent = Counter(
+            "sal_peer_datagrams_sent", "Datagrams sent to other gateways (peers)", registry=r
+        )
+        self.peer_send_errors = Counter(
+            "sal_peer_send_errors", "Datagrams to peers the system refused to send", registry=r
+        )
+        self.peers_heard = Gauge(
+            "sal_peers_heard", "Other gateways heard within peers.expire_s", registry=r
+        )
+
+    def on_peer_sent(self, sent: int, errors: int) -> None:
+        """`sal_gateway.peers.PeerNetwork`'s send report."""
+        if sent:
+            self.peer_datagrams_sent.inc(sent)
+        if errors:
+            self.peer_send_errors.inc(errors)
+
     def series(self, model: str, backend: str, policy: str) -> BackendSeries:
         """The cached per-request children for (model, backend, policy)."""
         key = (model, backend, policy)

@@ -50,6 +50,7 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
     timed = {row["policy"] for row in report["decisions"]}
     assert set(POLICIES) <= timed
     assert "sal: views() + select(), 8 workers sharing" in timed
+    assert "sal: views() + select(), 8 gateways telling each other" in timed
     tokens = {row["name"]: row["tokens"] for row in report["tokenization"]}
     assert abs(tokens["completions text ~1k tokens"] - 1000) <= 50
     assert tokens["completions token IDs (1k)"] == 1000

@@ -137,6 +137,33 @@ def test_gateway_configmap_is_a_valid_gateway_config(
     assert model.discovery is not None
 
 
+def test_the_peers_recipe_fits_the_manifests(
+    resources: dict[tuple[str, str], Any], tmp_path: Path
+) -> None:
+    """The ConfigMap's commented ``peers`` block, uncommented, is a valid config whose
+    addresses name the peers Service (headless, UDP, every pod published), whose port the
+    gateway container declares, and whose secret the Deployment passes in."""
+    text = resources[("ConfigMap", "sal-gateway-config")]["data"]["config.yaml"]
+    enabled = text.replace("# peers:", "peers:").replace("#   ", "  ")
+    path = tmp_path / "config.yaml"
+    path.write_text(enabled)
+    peers = load_config(path).peers
+    assert peers.enabled
+    (address,) = peers.addresses
+    host, port = address.rsplit(":", 1)
+    service = resources[("Service", host)]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    (svc_port,) = service["spec"]["ports"]
+    assert (svc_port["port"], svc_port["protocol"]) == (int(port), "UDP")
+    container = _container(resources[("Deployment", "sal-gateway")])
+    declared = next(p for p in container["ports"] if p["name"] == svc_port["targetPort"])
+    assert declared["protocol"] == "UDP"
+    assert str(declared["containerPort"]) == peers.listen.rsplit(":", 1)[1]  # type: ignore[union-attr]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[peers.secret_env]["valueFrom"]["secretKeyRef"]["optional"] is True
+
+
 def test_gateway_probes_and_hardening(resources: dict[tuple[str, str], Any]) -> None:
     deployment = resources[("Deployment", "sal-gateway")]
     container = _container(deployment)

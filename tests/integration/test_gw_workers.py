@@ -14,7 +14,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,14 +23,17 @@ import pytest
 from bench.processes import PortAllocator
 from tests.fault_support import fake_procs
 from tests.gateway_support import gateway_config, metric, run_gateway, scrape_metrics
+from tests.herding_support import (
+    SHORT_REQUESTS,
+    route_short_requests,
+    short_body,
+    slow_backends,
+    streams_held_on_a,
+)
 
 pytestmark = pytest.mark.slow
 
 REQUESTS = 48
-
-
-def _body(i: int) -> dict[str, object]:
-    return {"model": "tiny", "prompt": [1] * (10 + i), "max_tokens": 4, "ignore_eos": True}
 
 
 def _ports() -> tuple[list[int], int, list[int]]:
@@ -91,7 +93,7 @@ def test_two_workers_share_the_port_and_their_metrics_add_up(tmp_path: Path) -> 
             limits = httpx.Limits(max_keepalive_connections=0)
             with httpx.Client(timeout=30.0, limits=limits) as client:
                 for i in range(REQUESTS):
-                    resp = client.post(f"{url}/v1/completions", json=_body(i))
+                    resp = client.post(f"{url}/v1/completions", json=short_body(i))
                     assert resp.status_code == 200, resp.text
             per_worker = [scrape_metrics(f"http://127.0.0.1:{p}") for p in own]
             served = [metric(m, "sal_requests_total") for m in per_worker]
@@ -145,69 +147,24 @@ def test_a_worker_that_cannot_bind_stops_the_set_with_one_line(tmp_path: Path) -
     assert "Traceback" not in done.stderr
 
 
-LONG_STREAMS = 4
-SHORT_REQUESTS = 8
-
-
-def _hold_stream(url: str, gone: threading.Event, backends: list[str]) -> None:
-    """A stream that runs until `gone` is set (the client then leaves)."""
-    body = {"model": "tiny", "prompt": "long", "max_tokens": 1000, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60.0) as resp:
-        backends.append(resp.headers.get("x-fake-backend", "?"))
-        for _ in resp.iter_lines():
-            if gone.is_set():
-                return
-
-
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "separate"])
 def test_a_worker_routes_knowing_what_the_other_worker_has_in_flight(
     tmp_path: Path, share: bool
 ) -> None:
-    """Worker 0 holds four long streams on replica a (b looks busy while they are routed).
-    Then both replicas report the same idle queue, and eight short requests go through
-    worker 1: SAL's loads tie, so requests in flight decide. Sharing, worker 1 sees a's four
-    streams and sends every request to b; on separate accounting it sees none and sends
-    every one to a, the first on a tie: what K independent gateways do (they herd)."""
+    """Worker 0 holds four long streams on replica a, then eight short requests go through
+    worker 1 while both replicas report the same idle queue (`tests.herding_support`).
+    Sharing, worker 1 sees a's four streams and sends every request to b; on separate
+    accounting it sees none and sends every one to a, the first on a tie: what K
+    independent gateways do (they herd)."""
     fake_ports, gw_port, own = _ports()
-    gone = threading.Event()
     with fake_procs(tmp_path, fake_ports) as (a, b):
-        a.fault(chunk_delay_s=0.2)
-        b.fault(chunk_delay_s=0.2, stats={"queued_prefill_tokens": 100_000, "num_waiting": 50})
+        slow_backends(a, b)
         config = _two_workers(gw_port, own, [a.url, b.url], "sal", share_accounting=share)
         with run_gateway(config):
             for port in own:
                 _ready(port)
             worker0, worker1 = (f"http://127.0.0.1:{p}" for p in own)
-            held: list[str] = []
-            threads = [
-                threading.Thread(target=_hold_stream, args=(worker0, gone, held), daemon=True)
-                for _ in range(LONG_STREAMS)
-            ]
-            try:
-                for thread in threads:
-                    thread.start()
-                deadline = time.monotonic() + 30
-                while len(held) < LONG_STREAMS:
-                    assert time.monotonic() < deadline, held
-                    time.sleep(0.05)
-                assert held == ["a"] * LONG_STREAMS  # b looked busy
-                b.fault(stats={"queued_prefill_tokens": 0, "num_waiting": 0})
-                deadline = time.monotonic() + 30
-                while metric(
-                    scrape_metrics(worker1), "sal_backend_queued_prefill_tokens", backend=b.url
-                ):
-                    assert time.monotonic() < deadline, "worker 1 never saw b idle"
-                    time.sleep(0.05)
-                time.sleep(0.3)  # a few more polls: both snapshots settled
-                chosen = []
-                with httpx.Client(timeout=30.0) as client:
-                    for i in range(SHORT_REQUESTS):
-                        resp = client.post(f"{worker1}/v1/completions", json=_body(i))
-                        assert resp.status_code == 200, resp.text
-                        chosen.append(resp.headers.get("x-fake-backend"))
-            finally:
-                gone.set()
-                for thread in threads:
-                    thread.join(timeout=30)
+            with streams_held_on_a(worker0, b, observer=worker1):
+                chosen = route_short_requests(worker1)
     expected = "b" if share else "a"
     assert chosen == [expected] * SHORT_REQUESTS, chosen

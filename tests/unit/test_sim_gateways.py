@@ -1,5 +1,7 @@
 """Several gateways in front of the same simulated replicas (`gateways` > 1): independent,
-or the workers of one host sharing their accounting (`shared_accounting`)."""
+the workers of one host sharing their accounting (`shared_accounting`), or gateways on
+separate hosts telling each other their accounting over the network (`gossip_interval_s`,
+a what-if)."""
 
 from __future__ import annotations
 
@@ -100,6 +102,51 @@ def test_eight_sharing_workers_herd_less_than_eight_gateways() -> None:
         return unseen_share(simulate(reqs, replicas=8, router=router).decisions)
 
     assert unseen(True) < 0.6 * unseen(False)
+
+
+def test_gossip_at_every_arrival_without_delay_decides_as_sharing_does() -> None:
+    reqs = _workload(400, rate_per_s=30.0)
+    shared = RouterConfig("sal", gateways=4, seed=3, shared_accounting=True)
+    told = RouterConfig("sal", gateways=4, seed=3, gossip_interval_s=0.0, gossip_delay_s=0.0)
+    assert (
+        simulate(reqs, replicas=4, router=told).decisions
+        == simulate(reqs, replicas=4, router=shared).decisions
+    )
+
+
+def test_gossip_arrives_after_its_delay() -> None:
+    # The four requests of the herding test, 10 ms apart. Counts that take 5 ms to arrive
+    # reach the next gateway in time, and it spreads as one gateway does; counts that take
+    # 20 ms arrive after the next request was routed, and the first two land together.
+    reqs = [TraceRequest(0.2 + 0.01 * i, 500, 5) for i in range(4)]
+
+    def replicas(delay_s: float) -> list[int]:
+        router = RouterConfig(
+            "sal", gateways=4, poll_interval_s=1.0, gossip_interval_s=0.0, gossip_delay_s=delay_s
+        )
+        return [d.replica for d in simulate(reqs, replicas=3, router=router).decisions]
+
+    one = simulate(reqs, replicas=3, router=RouterConfig("sal", poll_interval_s=1.0))
+    assert replicas(0.005) == [d.replica for d in one.decisions]
+    late = replicas(0.02)
+    assert late[0] == late[1]
+
+
+def test_gossip_sent_less_often_than_requests_come_is_not_heard_in_time() -> None:
+    # The same four requests; each gateway sends its counts once a second (gateway g at
+    # g / 4 s past the second), so the counts that would spread them are sent too late.
+    reqs = [TraceRequest(0.2 + 0.01 * i, 500, 5) for i in range(4)]
+    router = RouterConfig(
+        "sal", gateways=4, poll_interval_s=1.0, gossip_interval_s=1.0, gossip_delay_s=0.0
+    )
+    assert [d.replica for d in simulate(reqs, replicas=3, router=router).decisions] == [0] * 4
+
+
+def test_gossip_settings_are_checked() -> None:
+    with pytest.raises(SimulationError, match="gossip"):
+        RouterConfig(gateways=2, gossip_interval_s=-1.0)
+    with pytest.raises(SimulationError, match="exclude"):
+        RouterConfig(gateways=2, gossip_interval_s=0.01, shared_accounting=True)
 
 
 def test_several_gateways_are_deterministic_for_a_seed() -> None:

@@ -1,0 +1,339 @@
+"""Between-poll accounting told to gateways on other hosts (``peers``).
+
+Several gateways in front of the same replicas each decide on their own polls plus what they
+routed themselves since; they do not see what the others routed, so between polls they send
+their next requests to the same replica (herding, `docs/results/gateways.md`). The workers
+of one host share their counts through memory (`sal_gateway.shared_accounting`); gateways on
+separate hosts tell each other over UDP, here. In the simulator, counts that reach the other
+gateways within 0.2 ms of every change route as well as shared memory does, 1 ms keeps most
+of it, and counts sent every 25 ms only as well as `sal_near`: herding happens within bursts
+of near-simultaneous arrivals. So a gateway sends as soon as its counts change (all the
+changes of one event-loop turn in one datagram per peer), not on a timer, plus its full
+state every `PeersConfig.heartbeat_s` (lost datagrams, new peers, and the proof it is alive).
+
+What a gateway sends for each backend: its requests in flight there and the prefill and KV
+tokens it routed there that no snapshot it polled includes yet (`sal_gateway.state`), as
+absolute values (`sal_gateway.peer_wire`). What it adds to its own: every peer's latest
+values, for peers heard within `PeersConfig.expire_s`; a peer that died or lost its network
+stops counting then.
+
+Trust: every datagram carries an HMAC tag under a secret all the gateways share (from the
+environment, `load_secret`); one without it is dropped and counted
+(``sal_peer_datagrams_total{result="bad_tag"}``), so nobody on the network can steer routing
+without the secret. A peer that has it can lie, as a gateway can anyway.
+
+Everything runs on the event loop: `datagram_received` decodes and stores (a few
+microseconds), `BackendState.publish` marks a backend changed and schedules one flush per
+loop turn. Addresses (host names, e.g. a Kubernetes headless service) are resolved again
+every `PeersConfig.resolve_s`; a gateway that reaches itself through them drops its own
+datagrams (`result="own"`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from sal_gateway.config import PeersConfig, split_host_port
+from sal_gateway.peer_wire import (
+    MAX_ROWS,
+    MIN_SECRET_BYTES,
+    PeerRow,
+    PeerWireError,
+    decode,
+    encode,
+)
+from sal_gateway.shared_accounting import backend_key
+
+log = logging.getLogger("sal_gateway.peers")
+
+MAX_PEERS = 1024
+"""Senders remembered at once (each needs the secret; a bound all the same)."""
+
+
+class PeersError(ValueError):
+    """``peers`` cannot run: no secret, or its UDP address cannot be bound."""
+
+
+def load_secret(config: PeersConfig, environ: Mapping[str, str]) -> bytes:
+    """The shared secret from ``$<config.secret_env>`` (at least `MIN_SECRET_BYTES`)."""
+    value = environ.get(config.secret_env, "")
+    if len(value.encode()) < MIN_SECRET_BYTES:
+        raise PeersError(
+            f"peers: ${config.secret_env} must hold a shared secret of at least "
+            f"{MIN_SECRET_BYTES} bytes (the same on every gateway), "
+            + ("it is not set" if not value else f"got {len(value.encode())} bytes")
+        )
+    return value.encode()
+
+
+def bind_socket(config: PeersConfig) -> socket.socket:
+    """The UDP socket `config.listen` names, bound and non-blocking (`PeersError` if not)."""
+    assert config.listen is not None
+    host, port = split_host_port(config.listen)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise PeersError(f"peers.listen {config.listen!r}: {exc}") from None
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise PeersError(f"peers.listen {config.listen!r}: cannot bind: {exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLink:
+    """What ``peers`` needs before serving: the shared secret and the bound UDP socket."""
+
+    secret: bytes
+    sock: socket.socket
+
+
+def open_peer_link(config: PeersConfig, environ: Mapping[str, str]) -> PeerLink | None:
+    """The secret and socket (`PeersError` when either is missing); None when ``peers`` is
+    off. Called before serving, so that a bad setup fails at start with one line."""
+    if not config.enabled:
+        return None
+    secret = load_secret(config, environ)
+    return PeerLink(secret, bind_socket(config))
+
+
+@dataclass(slots=True)
+class _Peer:
+    """What one other gateway told us."""
+
+    heard_s: float
+    rows: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
+    """Backend key -> (seq of the datagram that set it, in flight, tokens, KV tokens)."""
+
+
+Metrics = Callable[[str], None]
+"""Counts one datagram received, by result (``sal_peer_datagrams_total``)."""
+
+
+class PeerNetwork(asyncio.DatagramProtocol):
+    """This gateway's side of the peer exchange: `slot` hands `sal_gateway.state` one
+    backend's `PeerCounts`; `start` / `close` run it."""
+
+    def __init__(
+        self,
+        config: PeersConfig,
+        secret: bytes,
+        sock: socket.socket,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_datagram: Metrics | None = None,
+        on_sent: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.sender = secrets.randbits(63) or 1
+        self._secret = secret
+        self._sock = sock
+        self._clock = clock
+        self._on_datagram = on_datagram or (lambda result: None)
+        self._on_sent = on_sent or (lambda datagrams, errors: None)
+        self._seq = 0
+        self._own: dict[int, tuple[int, int, int]] = {}
+        self._changed: set[int] = set()
+        self._peers: dict[int, _Peer] = {}
+        self._targets: tuple[tuple[object, ...], ...] = ()
+        self._by_name: dict[str, tuple[tuple[object, ...], ...]] = {}
+        self._transport: asyncio.DatagramTransport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_pending = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen on the bound socket, resolve the addresses once, start the heartbeat."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        transport, _ = await loop.create_datagram_endpoint(lambda: self, sock=self._sock)
+        self._transport = transport
+        await self._resolve()
+        self._tasks = [
+            asyncio.create_task(self._heartbeat(), name="peers heartbeat"),
+            asyncio.create_task(self._keep_resolving(), name="peers resolve"),
+        ]
+
+    async def close(self) -> None:
+        """Stop sending and listening."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def targets(self) -> tuple[tuple[object, ...], ...]:
+        """The socket addresses the peers' names resolved to last."""
+        return self._targets
+
+    def heard(self) -> int:
+        """Peers heard within `PeersConfig.expire_s`."""
+        cutoff = self._clock() - self.config.expire_s
+        return sum(1 for p in self._peers.values() if p.heard_s >= cutoff)
+
+    # --- the PeerCounts side (sal_gateway.state) -----------------------------------------
+
+    def slot(self, model: str, url: str) -> PeerSlot:
+        return PeerSlot(self, backend_key(model, url))
+
+    def publish(self, key: int, counts: tuple[int, int, int]) -> None:
+        """This gateway's counts for `key` changed: send them at the end of this loop turn."""
+        if self._own.get(key) == counts:
+            return
+        self._own[key] = counts
+        self._changed.add(key)
+        if not self._flush_pending and self._loop is not None:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def others(self, key: int) -> tuple[int, int, int]:
+        """Every live peer's latest counts for `key`, summed."""
+        cutoff = self._clock() - self.config.expire_s
+        in_flight = tokens = kv = 0
+        for peer in self._peers.values():
+            if peer.heard_s < cutoff:
+                continue
+            row = peer.rows.get(key)
+            if row is not None:
+                in_flight += row[1]
+                tokens += row[2]
+                kv += row[3]
+        return in_flight, tokens, kv
+
+    # --- receiving ---------------------------------------------------------------------
+
+    def datagram_received(self, data: bytes, addr: tuple[object, ...]) -> None:
+        try:
+            message = decode(self._secret, data)
+        except PeerWireError as exc:
+            self._on_datagram(exc.reason)
+            return
+        if message.sender == self.sender:
+            self._on_datagram("own")
+            return
+        now = self._clock()
+        peer = self._peers.get(message.sender)
+        if peer is None:
+            if len(self._peers) >= MAX_PEERS:
+                self._forget(now)
+                if len(self._peers) >= MAX_PEERS:
+                    self._on_datagram("too_many_peers")
+                    return
+            peer = self._peers[message.sender] = _Peer(now)
+        stale = 0
+        for row in message.rows:
+            held = peer.rows.get(row.key)
+            if held is not None and held[0] >= message.seq:
+                stale += 1  # a newer datagram set it already (reordered or replayed)
+                continue
+            peer.rows[row.key] = (
+                message.seq,
+                row.in_flight,
+                row.routed_tokens,
+                row.routed_kv_tokens,
+            )
+        if message.rows and stale == len(message.rows):
+            self._on_datagram("old")
+            return
+        peer.heard_s = now
+        self._on_datagram("accepted")
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP port unreachable from a peer that is not up yet: expected, retried anyway.
+        log.debug("peers: %s", exc)
+
+    def _forget(self, now: float) -> None:
+        cutoff = now - self.config.expire_s
+        for sender in [s for s, p in self._peers.items() if p.heard_s < cutoff]:
+            del self._peers[sender]
+
+    # --- sending -----------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        keys = sorted(self._changed)
+        self._changed.clear()
+        self._send(keys)
+
+    def _send(self, keys: list[int]) -> None:
+        transport = self._transport
+        if transport is None or not keys or not self._targets:
+            return
+        sent = errors = 0
+        for start in range(0, len(keys), MAX_ROWS):
+            rows = [PeerRow(k, *self._own[k]) for k in keys[start : start + MAX_ROWS]]
+            self._seq += 1
+            datagram = encode(self._secret, self.sender, self._seq, rows)
+            for target in self._targets:
+                try:
+                    transport.sendto(datagram, target)
+                    sent += 1
+                except OSError:
+                    errors += 1
+        self._on_sent(sent, errors)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            self._send(sorted(self._own))
+            self._forget(self._clock())
+
+    async def _keep_resolving(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resolve_s)
+            await self._resolve()
+
+    async def _resolve(self) -> None:
+        """Every address each configured name resolves to now, in the socket's family (a
+        name that does not resolve keeps its previous addresses)."""
+        assert self._loop is not None
+        family = self._sock.family
+        previous = self._by_name
+        by_name: dict[str, tuple[tuple[object, ...], ...]] = {}
+        for entry in self.config.addresses:
+            host, port = split_host_port(entry)
+            try:
+                infos = await self._loop.getaddrinfo(
+                    host, port, family=family, type=socket.SOCK_DGRAM
+                )
+            except OSError as exc:
+                if entry not in previous:
+                    log.warning("peers: cannot resolve %s: %s", entry, exc)
+                by_name[entry] = previous.get(entry, ())
+                continue
+            by_name[entry] = tuple(dict.fromkeys(info[4] for info in infos))
+        self._by_name = by_name
+        self._targets = tuple(dict.fromkeys(a for addrs in by_name.values() for a in addrs))
+
+
+class PeerSlot:
+    """One backend's `sal_gateway.state.PeerCounts` over the network."""
+
+    __slots__ = ("_key", "_network")
+
+    def __init__(self, network: PeerNetwork, key: int) -> None:
+        self._network = network
+        self._key = key
+
+    def publish(self, in_flight: int, routed_tokens: int, routed_kv_tokens: int) -> None:
+        self._network.publish(self._key, (in_flight, routed_tokens, routed_kv_tokens))
+
+    def others(self) -> tuple[int, int, int]:
+        return self._network.others(self._key)

@@ -1,0 +1,120 @@
+"""``peers``: two gateway processes (as on two hosts) tell each other their accounting.
+
+Each gateway runs as a user runs it (the CLI in a child process), in front of the same two
+fake backends (processes of their own), with ``peers`` listing the other gateway's UDP
+address and the secret in its environment. What a user would notice if it broke: gateways
+that herd (each sends its next requests to the replica the others just filled), a gateway
+that keeps counting a dead peer's requests, or one that starts without its secret.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.processes import PortAllocator
+from tests.fault_support import fake_procs
+from tests.gateway_support import gateway_config, metric, run_gateway_process, scrape_metrics
+from tests.herding_support import (
+    SHORT_REQUESTS,
+    route_short_requests,
+    short_body,
+    slow_backends,
+    streams_held_on_a,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+SECRET_ENV = {"SAL_GATEWAY_PEERS_SECRET": "a shared secret for the tests"}
+
+
+def _gateway(port: int, backends: list[str], peer_port: int, other: int | None) -> dict:
+    extra: dict[str, object] = {"log_level": "warning"}
+    if other is not None:
+        extra["peers"] = {
+            "listen": f"127.0.0.1:{peer_port}",
+            "addresses": [f"127.0.0.1:{other}"],
+            "expire_s": 1.0,
+        }
+    return gateway_config(port, backends, tokenizer=None, policy="sal", extra=extra)
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["peers", "alone"])
+def test_a_gateway_routes_knowing_what_the_other_gateway_has_in_flight(
+    tmp_path: Path, told: bool
+) -> None:
+    """Gateway A holds four long streams on replica a, then eight short requests go through
+    gateway B while both replicas report the same idle queue (`tests.herding_support`).
+    Told by A, B sends every request to b; alone, it sees none of A's streams and sends
+    every one to a, the first on a tie: what independent gateways do (they herd). Then A is
+    SIGKILLed: B stops counting its streams once `expire_s` has passed without a word."""
+    ports = PortAllocator(22000, 22999)
+    fake_ports = [ports.take(), ports.take()]
+    gw = [ports.take(), ports.take()]
+    udp = [ports.take(), ports.take()]
+    with fake_procs(tmp_path, fake_ports) as (a, b), ExitStack() as stack:
+        slow_backends(a, b)
+        backends = [a.url, b.url]
+        first, first_proc = stack.enter_context(
+            run_gateway_process(
+                _gateway(gw[0], backends, udp[0], udp[1] if told else None), env=SECRET_ENV
+            )
+        )
+        second, _ = stack.enter_context(
+            run_gateway_process(
+                _gateway(gw[1], backends, udp[1], udp[0] if told else None), env=SECRET_ENV
+            )
+        )
+        with streams_held_on_a(first, b, observer=second):
+            chosen = route_short_requests(second)
+            expected = "b" if told else "a"
+            assert chosen == [expected] * SHORT_REQUESTS, chosen
+            heard = metric(scrape_metrics(second), "sal_peers_heard")
+            assert heard == (1.0 if told else 0.0)
+            if told:
+                # A dies with its streams open: B forgets them after expire_s (1 s) and
+                # then sends to a again (the tie's first).
+                os.kill(first_proc.pid, signal.SIGKILL)
+                first_proc.wait(timeout=10)
+                wait_until(
+                    lambda: metric(scrape_metrics(second), "sal_peers_heard") == 0.0,
+                    5,
+                    "gateway B still hears the dead gateway A",
+                )
+                resp = httpx.post(f"{second}/v1/completions", json=short_body(0), timeout=30.0)
+                assert resp.status_code == 200, resp.text
+                assert resp.headers.get("x-fake-backend") == "a"
+                accepted = metric(
+                    scrape_metrics(second), "sal_peer_datagrams_total", result="accepted"
+                )
+                assert accepted >= 1
+
+
+def test_peers_without_the_secret_is_a_config_error(tmp_path: Path) -> None:
+    port = PortAllocator(22000, 22999).take()
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n"
+        "peers: {listen: '127.0.0.1:0', addresses: ['127.0.0.1:9']}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SAL_GATEWAY_PEERS_SECRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "sal_gateway.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "SAL_GATEWAY_PEERS_SECRET must hold a shared secret" in done.stderr
+    assert "Traceback" not in done.stderr
