@@ -38,12 +38,14 @@ import json
 import os
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine_patch import __version__, patch_config
+from engine_patch.snapshot import remove_orphans
 from engine_patch.versions import (
     SUPPORTED_VLLM_VERSIONS,
     UnsupportedVllmVersion,
@@ -230,8 +232,23 @@ def _default_async_scheduling() -> bool:
 
 
 def _new_stats_prefix() -> str:
-    token = f"{os.getpid()}-{secrets.token_hex(4)}"
-    return str(patch_config.default_stats_dir() / f"{patch_config.DEFAULT_STATS_BASENAME}-{token}")
+    """A fresh per-launch prefix in the default folder, after removing the snapshot files
+    that SIGKILLed launches left there (`engine_patch.snapshot.remove_orphans`)."""
+    folder = patch_config.default_stats_dir()
+    basename = patch_config.DEFAULT_STATS_BASENAME
+    with contextlib.suppress(OSError):
+        remove_orphans(folder, basename, now_s=time.time(), alive=_alive)
+    return str(folder / f"{basename}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _remove_snapshots(prefix: str) -> None:

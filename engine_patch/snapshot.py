@@ -35,6 +35,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -282,3 +283,42 @@ class SnapshotReader:
             self._mm.close()
         self._mm = None
         self._inode = None
+
+
+ORPHAN_AGE_S = 300.0
+"""A snapshot whose engine is gone and whose last record is older than this is an orphan."""
+
+
+def remove_orphans(
+    folder: Path,
+    basename: str,
+    *,
+    now_s: float,
+    alive: Callable[[int], bool],
+) -> list[Path]:
+    """Remove the snapshot files ``<basename>-<pid>-<token>.dp<N>`` in `folder` left by
+    launches that were SIGKILLed (their own clean-up never ran); returns them.
+
+    A file is removed only when its launcher's `pid` is not `alive` *and* its last record is
+    more than `ORPHAN_AGE_S` old (by its wall-clock ``time``): a live engine restamps its
+    record at least every 0.2 s, so a file shared with another PID namespace (where the pid
+    means nothing here) is kept while its engine runs. Files that are not SAL snapshots, or
+    cannot be read, are left alone."""
+    removed = []
+    for path in folder.glob(f"{basename}-*-*.dp*"):
+        pid_text = path.name[len(basename) + 1 :].split("-", 1)[0]
+        if not pid_text.isdigit() or alive(int(pid_text)):
+            continue
+        reader = SnapshotReader(path)
+        try:
+            record = reader.read()
+        except (SnapshotError, OSError, ValueError):
+            continue
+        finally:
+            reader.close()
+        if record is not None and now_s - record.stats.time <= ORPHAN_AGE_S:
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -159,6 +161,36 @@ def test_local_dp_count_takes_the_larger_of_config_and_launcher() -> None:
 def test_stats_prefix_comes_from_the_environment() -> None:
     assert stats_prefix({"SAL_STATS_PREFIX": "/tmp/r1"}) == "/tmp/r1"
     assert stats_prefix({}).endswith("sal-stats")
+
+
+def test_a_new_launch_removes_what_a_sigkilled_one_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch picks a fresh prefix in the default folder and first removes the snapshot
+    file a SIGKILLed launch left there (its pid gone, its record stale); its own is new."""
+    import subprocess
+    import sys
+
+    from engine_patch import patch_config
+    from engine_patch.snapshot import SnapshotRecord, SnapshotWriter
+    from sal_core.stats import ReplicaStats
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    pid = int(gone.stdout)
+    left = tmp_path / f"sal-stats-{pid}-0badf00d.dp0"
+    writer = SnapshotWriter(left)
+    stats = ReplicaStats(
+        time=1.0, step=1, model="m", scheduler="larry", alpha=1.0, block_size=16,
+        kv_blocks_total=10, kv_blocks_free=10, free_kv_tokens=160, queued_prefill_tokens=0,
+        num_waiting=0, num_running=0, max_num_batched_tokens=2048, max_num_seqs=8,
+    )  # fmt: skip
+    writer.publish(SnapshotRecord(stats, 0, 1))
+    writer.close(unlink=False)
+    monkeypatch.setattr(patch_config, "default_stats_dir", lambda: tmp_path)
+    prefix = launcher._new_stats_prefix()
+    assert not left.exists()
+    assert prefix.startswith(str(tmp_path / f"sal-stats-{os.getpid()}-"))
 
 
 def test_larry_tail_gets_its_class_and_a_validated_section() -> None:

@@ -18,6 +18,7 @@ from engine_patch.snapshot import (
     SnapshotWriter,
     decode_record,
     encode_record,
+    remove_orphans,
     snapshot_path,
 )
 from engine_patch.stats_route import StatsMiddleware
@@ -175,6 +176,35 @@ def test_reader_never_sees_a_torn_record_while_another_process_writes(tmp_path: 
 
 
 # Data parallelism ---------------------------------------------------------------------------
+
+
+def test_snapshots_of_sigkilled_launches_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    """A launch killed with SIGKILL never runs its clean-up; the next launch removes its file
+    (`remove_orphans`), but never one whose launcher lives, one still being written (a live
+    engine in another PID namespace), or a file that is not a snapshot."""
+    now = 1_700_000_000.0
+    old = make_stats(time=now - 301.0)
+
+    def write(name: str, stats: ReplicaStats | None) -> Path:
+        writer = SnapshotWriter(tmp_path / name)
+        if stats is not None:
+            writer.publish(SnapshotRecord(stats, 0, 1))
+        writer.close(unlink=False)
+        return tmp_path / name
+
+    dead = write("sal-stats-111-aaaa0000.dp0", old)
+    dead_rank = write("sal-stats-111-aaaa0000.dp1", old)
+    never_published = write("sal-stats-112-bbbb0000.dp0", None)
+    alive = write("sal-stats-222-cccc0000.dp0", old)
+    fresh = write("sal-stats-333-dddd0000.dp0", make_stats(time=now - 1.0))
+    foreign = tmp_path / "sal-stats-444-eeee0000.dp0"
+    foreign.write_bytes(b"not a snapshot" * 400)
+    other_name = write("other-555-ffff0000.dp0", old)
+    removed = remove_orphans(tmp_path, "sal-stats", now_s=now, alive=lambda pid: pid == 222)
+    assert sorted(removed) == sorted([dead, dead_rank, never_published])
+    assert not dead.exists()
+    for kept in (alive, fresh, foreign, other_name):
+        assert kept.exists(), kept
 
 
 def test_data_parallel_ranks_are_summed_with_the_oldest_time() -> None:
