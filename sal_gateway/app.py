@@ -54,13 +54,13 @@ from sal_gateway.front_door import FrontDoor
 from sal_gateway.loop_monitor import watch_loop
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.model_catalog import READ_TIMEOUT_S, ModelCatalog, http_fetch, refresh_models
-from sal_gateway.peers import PeerLink, PeerNetwork, open_peer_link
+from sal_gateway.peers import BothCounts, PeerLink, PeerNetwork, group_of, open_peer_link
 from sal_gateway.poller import Poller
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.proxy import Forwarder, make_session
 from sal_gateway.request_body import Endpoint
 from sal_gateway.shared_accounting import SharedAccounting
-from sal_gateway.state import StateTable
+from sal_gateway.state import PeerCounts, StateTable
 from sal_gateway.template_pool import TemplatePool
 from sal_gateway.tokenizer import PromptCount, PromptCounter, load_model_tokenizer
 from sal_gateway.tracing import Tracing, TracingMiddleware, build_tracing, trace_of
@@ -182,6 +182,24 @@ def load_counters(config: GatewayConfig) -> dict[str, PromptCounter]:
     return {m.name: load_model_tokenizer(m.tokenizer, m.max_model_len) for m in config.models}
 
 
+def _peer_counts(
+    accounting: SharedAccounting | None, network: PeerNetwork | None
+) -> Callable[[str, str], PeerCounts | None] | None:
+    """Where a backend's other counts come from: this host's other workers (`accounting`),
+    gateways on other hosts (`network`), both, or nobody (None)."""
+    if network is None:
+        return None if accounting is None else accounting.slot
+    if accounting is None:
+        return network.slot
+
+    def both(model: str, url: str) -> PeerCounts | None:
+        remote = network.slot(model, url)
+        local = accounting.slot(model, url)
+        return remote if local is None else BothCounts(local, remote)
+
+    return both
+
+
 async def build_runtime(
     config: GatewayConfig,
     *,
@@ -210,6 +228,7 @@ async def build_runtime(
             clock=clock,
             on_datagram=lambda result: metrics.peer_datagrams.labels(result=result).inc(),
             on_sent=metrics.on_peer_sent,
+            group=None if accounting is None else group_of(accounting.name),
         )
         await network.start()
     table = StateTable(
@@ -217,9 +236,7 @@ async def build_runtime(
         routing.eject_after_failures,
         accounting_grace_s=routing.accounting_grace_s,
         clock=clock,
-        peers=(
-            network.slot if network is not None else None if accounting is None else accounting.slot
-        ),
+        peers=_peer_counts(accounting, network),
     )
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
     session = make_session(config.proxy)

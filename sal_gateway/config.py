@@ -329,8 +329,8 @@ class PeersConfig:
     one. Off unless `listen` is set."""
 
     listen: str | None = None
-    """``host:port`` to receive the other gateways' counts on (UDP), e.g. ``0.0.0.0:7946``.
-    None: off."""
+    """``host:port`` to receive the other gateways' counts on (UDP), e.g. ``0.0.0.0:7946``
+    (with ``listen.workers`` N: worker i on the port + i, `for_worker`). None: off."""
     addresses: tuple[str, ...] = ()
     """The other gateways, ``host:port`` each; a name is resolved again every `resolve_s`
     and every address it resolves to is a peer (a Kubernetes headless service names every
@@ -348,6 +348,28 @@ class PeersConfig:
     @property
     def enabled(self) -> bool:
         return self.listen is not None
+
+    def for_worker(self, index: int, workers: int) -> PeersConfig:
+        """Worker `index`'s view with ``listen.workers`` = `workers` > 1: it listens on the
+        `listen` port + `index`, and every address stands for its `workers` consecutive
+        ports (every gateway runs as many workers, each on its own UDP port: the kernel
+        would hand a datagram on a shared port to one worker only)."""
+        if self.listen is None or workers <= 1:
+            return self
+        host, port = split_host_port(self.listen)
+        expanded = []
+        for address in self.addresses:
+            peer_host, peer_port = split_host_port(address)
+            expanded += [_join_host_port(peer_host, peer_port + j) for j in range(workers)]
+        return dataclasses.replace(
+            self,
+            listen=_join_host_port(host, port + index),
+            addresses=tuple(expanded),
+        )
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -821,10 +843,19 @@ def _peers(path: str, data: Mapping[str, Any], listen: ListenConfig) -> PeersCon
     if peer_listen is not None and not addresses:
         raise ConfigError(f"{path}.addresses: list the other gateways (host:port each)")
     if peer_listen is not None and listen.workers > 1:
-        raise ConfigError(
-            f"{path}: not with listen.workers > 1 (the workers of one host already share "
-            "their accounting; run one worker per gateway that uses peers)"
-        )
+        # Worker i listens on the port + i, and sends to every address's ports + 0..N-1.
+        port = split_host_port(peer_listen)[1]
+        ports = [split_host_port(a)[1] for a in (peer_listen, *addresses)]
+        if port == 0:
+            raise ConfigError(
+                f"{path}.listen: with listen.workers > 1 give a port (worker i listens on "
+                f"it + i), got {peer_listen!r}"
+            )
+        if max(ports) + listen.workers - 1 > 65535:
+            raise ConfigError(
+                f"{path}: with {listen.workers} workers, ports up to the highest one here "
+                f"+ {listen.workers - 1} must stay within 65535"
+            )
     heartbeat = _as_float(f"{path}.heartbeat_s", data.get("heartbeat_s", d.heartbeat_s))
     expire = _as_float(f"{path}.expire_s", data.get("expire_s", d.expire_s))
     if expire <= heartbeat:

@@ -6,11 +6,15 @@ no lasting harm: the next one, or the sender's periodic full state, sets them ri
 
 Layout, little-endian::
 
-    header  magic b"SALP" | version u8 | reserved 3 bytes | sender u64 | seq u64 | rows u16
+    header  magic b"SALP" | version u8 | reserved 3 bytes | sender u64 | group u64 | seq u64
+            | rows u16
     row     key u64 | in flight u32 | routed prefill tokens u64 | routed KV tokens u64
     tag     the first 16 bytes of HMAC-SHA256(secret, header + rows)
 
 `sender` is a random id the gateway draws at start (a restarted gateway is a new sender);
+`group` is the same for the workers of one host that share their accounting through memory
+(``listen.workers``), which drop each other's datagrams (they count each other already), and
+the sender's own id otherwise;
 `seq` grows by one per datagram it sends, so a receiver drops one older than what it has
 applied for that sender (reordered, or replayed by someone who captured it). `key` is the
 backend's `sal_gateway.shared_accounting.backend_key` (its model and URL), which every
@@ -31,11 +35,11 @@ from dataclasses import dataclass
 
 MAGIC = b"SALP"
 VERSION = 1
-_HEADER = struct.Struct("<4sB3xQQH")
+_HEADER = struct.Struct("<4sB3xQQQH")
 _ROW = struct.Struct("<QIQQ")
 TAG_BYTES = 16
 MAX_ROWS = 48
-"""Rows per datagram: 28-byte header + 48 x 28 + 16 = 1,388 bytes, under a 1,500-byte
+"""Rows per datagram: 36-byte header + 48 x 28 + 16 = 1,396 bytes, under a 1,500-byte
 Ethernet frame with IP and UDP headers (fragmented datagrams are lost whole, and more
 often, on overlay networks)."""
 MAX_DATAGRAM = _HEADER.size + MAX_ROWS * _ROW.size + TAG_BYTES
@@ -69,15 +73,20 @@ class PeerRow:
 @dataclass(frozen=True, slots=True)
 class PeerMessage:
     sender: int
+    group: int
     seq: int
     rows: tuple[PeerRow, ...]
 
 
-def encode(secret: bytes, sender: int, seq: int, rows: Sequence[PeerRow]) -> bytes:
-    """One datagram of at most `MAX_ROWS` rows (negative counts are sent as 0)."""
+def encode(
+    secret: bytes, sender: int, seq: int, rows: Sequence[PeerRow], group: int | None = None
+) -> bytes:
+    """One datagram of at most `MAX_ROWS` rows (negative counts are sent as 0); `group`
+    defaults to `sender`."""
     if len(rows) > MAX_ROWS:
         raise ValueError(f"at most {MAX_ROWS} rows per datagram, got {len(rows)}")
-    parts = [_HEADER.pack(MAGIC, VERSION, sender, seq, len(rows))]
+    group = sender if group is None else group
+    parts = [_HEADER.pack(MAGIC, VERSION, sender, group, seq, len(rows))]
     for row in rows:
         parts.append(
             _ROW.pack(
@@ -101,7 +110,7 @@ def decode(secret: bytes, datagram: bytes) -> PeerMessage:
     expected = hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
     if not hmac.compare_digest(tag, expected):
         raise PeerWireError("tag does not match the shared secret", "bad_tag")
-    magic, version, sender, seq, count = _HEADER.unpack_from(body)
+    magic, version, sender, group, seq, count = _HEADER.unpack_from(body)
     if magic != MAGIC or version != VERSION:
         raise PeerWireError(f"magic {magic!r} version {version}", "malformed")
     if len(body) != _HEADER.size + count * _ROW.size:
@@ -112,4 +121,4 @@ def decode(secret: bytes, datagram: bytes) -> PeerMessage:
         if tokens > MAX_COUNT or kv > MAX_COUNT:
             raise PeerWireError(f"row {i}: {tokens} tokens, {kv} KV tokens", "malformed")
         rows.append(PeerRow(key, in_flight, tokens, kv))
-    return PeerMessage(sender, seq, tuple(rows))
+    return PeerMessage(sender, group, seq, tuple(rows))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import socket
@@ -50,6 +51,7 @@ from sal_gateway.peer_wire import (
     encode,
 )
 from sal_gateway.shared_accounting import backend_key
+from sal_gateway.state import PeerCounts
 
 log = logging.getLogger("sal_gateway.peers")
 
@@ -90,6 +92,13 @@ def bind_socket(config: PeersConfig) -> socket.socket:
         raise PeersError(f"peers.listen {config.listen!r}: cannot bind: {exc}") from None
     sock.setblocking(False)
     return sock
+
+
+def group_of(accounting_name: str) -> int:
+    """The `PeerNetwork.group` of the workers that share the accounting block
+    `accounting_name` (`sal_gateway.shared_accounting`): the same in each of them."""
+    digest = hashlib.blake2b(accounting_name.encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +144,13 @@ class PeerNetwork(asyncio.DatagramProtocol):
         clock: Callable[[], float] = time.monotonic,
         on_datagram: Metrics | None = None,
         on_sent: Callable[[int, int], None] | None = None,
+        group: int | None = None,
     ) -> None:
         self.config = config
         self.sender = secrets.randbits(63) or 1
+        self.group = self.sender if group is None else group
+        """Datagrams of this group are dropped (`result="own"`): this gateway's own, and
+        those of the workers of its host that share its accounting through memory."""
         self._secret = secret
         self._sock = sock
         self._clock = clock
@@ -225,7 +238,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
         except PeerWireError as exc:
             self._on_datagram(exc.reason)
             return
-        if message.sender == self.sender:
+        if message.sender == self.sender or message.group == self.group:
             self._on_datagram("own")
             return
         now = self._clock()
@@ -272,15 +285,17 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._changed.clear()
         self._send(keys)
 
-    def _send(self, keys: list[int]) -> None:
+    def _send(self, keys: list[int], *, announce: bool = False) -> None:
+        """Send the counts of `keys` to every peer (`announce`: one empty datagram when
+        there are none, so that the peers know this gateway is alive)."""
         transport = self._transport
-        if transport is None or not keys or not self._targets:
+        if transport is None or not self._targets or not (keys or announce):
             return
         sent = errors = 0
-        for start in range(0, len(keys), MAX_ROWS):
+        for start in range(0, max(1, len(keys)), MAX_ROWS):
             rows = [PeerRow(k, *self._own[k]) for k in keys[start : start + MAX_ROWS]]
             self._seq += 1
-            datagram = encode(self._secret, self.sender, self._seq, rows)
+            datagram = encode(self._secret, self.sender, self._seq, rows, self.group)
             for target in self._targets:
                 try:
                     transport.sendto(datagram, target)
@@ -292,7 +307,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
-            self._send(sorted(self._own))
+            self._send(sorted(self._own), announce=True)
             self._forget(self._clock())
 
     async def _keep_resolving(self) -> None:
@@ -337,3 +352,25 @@ class PeerSlot:
 
     def others(self) -> tuple[int, int, int]:
         return self._network.others(self._key)
+
+
+class BothCounts:
+    """A worker's `sal_gateway.state.PeerCounts` when it has both: the other workers of its
+    host (shared memory) and the gateways on other hosts (`PeerSlot`). Publishes to both;
+    the others are the sum of both (the host's workers drop each other's datagrams, so
+    nobody is counted twice)."""
+
+    __slots__ = ("_local", "_remote")
+
+    def __init__(self, local: PeerCounts, remote: PeerCounts) -> None:
+        self._local = local
+        self._remote = remote
+
+    def publish(self, in_flight: int, routed_tokens: int, routed_kv_tokens: int) -> None:
+        self._local.publish(in_flight, routed_tokens, routed_kv_tokens)
+        self._remote.publish(in_flight, routed_tokens, routed_kv_tokens)
+
+    def others(self) -> tuple[int, int, int]:
+        a = self._local.others()
+        b = self._remote.others()
+        return a[0] + b[0], a[1] + b[1], a[2] + b[2]

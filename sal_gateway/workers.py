@@ -24,6 +24,7 @@ systemd) restarts the whole set. Linux only (``SO_REUSEPORT`` load balancing).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -99,6 +100,8 @@ def _worker_main(
         file=sys.stderr,
         flush=True,
     )
+    # Each worker its own UDP port for `peers` (a datagram reaches one socket only).
+    config = dataclasses.replace(config, peers=config.peers.for_worker(index, listen.workers))
     try:
         serve(config, [shared, own], accounting)
     finally:

@@ -98,6 +98,69 @@ def test_a_gateway_routes_knowing_what_the_other_gateway_has_in_flight(
                 assert accepted >= 1
 
 
+def _consecutive(ports: PortAllocator) -> list[int]:
+    first = ports.take()
+    second = ports.take()
+    assert second == first + 1, "need two consecutive free ports"
+    return [first, second]
+
+
+def _two_worker_gateway(
+    ports: PortAllocator, backends: list[str], udp: list[int], other_udp: int
+) -> tuple[dict, list[str]]:
+    """A gateway of two workers sharing their accounting, with `peers` (worker i on UDP
+    `udp[i]`), and the URLs of the workers' own ports."""
+    shared = ports.take()
+    own = _consecutive(ports)
+    config = gateway_config(
+        shared,
+        backends,
+        tokenizer=None,
+        policy="sal",
+        extra={
+            "listen": {
+                "host": "127.0.0.1",
+                "port": shared,
+                "workers": 2,
+                "worker_ports_from": own[0],
+            },
+            "limits": {"body_workers": 1},
+            "log_level": "warning",
+            "peers": {"listen": f"127.0.0.1:{udp[0]}", "addresses": [f"127.0.0.1:{other_udp}"]},
+        },
+    )
+    return config, [f"http://127.0.0.1:{p}" for p in own]
+
+
+def test_workers_of_two_gateways_hear_each_other(tmp_path: Path) -> None:
+    """Two gateways of two workers each (as two pods with `listen.workers: 2`): worker 1 of
+    gateway A holds the streams, worker 0 of gateway B routes, and sends every request to
+    b. Each worker has its own UDP port; A's worker 1 sends to both of B's."""
+    ports = PortAllocator(22000, 22999)
+    fake_ports = [ports.take(), ports.take()]
+    udp_a, udp_b = _consecutive(ports), _consecutive(ports)
+    with fake_procs(tmp_path, fake_ports) as (a, b), ExitStack() as stack:
+        slow_backends(a, b)
+        config_a, workers_a = _two_worker_gateway(ports, [a.url, b.url], udp_a, udp_b[0])
+        config_b, workers_b = _two_worker_gateway(ports, [a.url, b.url], udp_b, udp_a[0])
+        for config in (config_a, config_b):
+            stack.enter_context(run_gateway_process(config, env=SECRET_ENV))
+        for url in (*workers_a, *workers_b):
+            wait_until(lambda url=url: _ready(url), 60, f"{url} ready")
+        with streams_held_on_a(workers_a[1], b, observer=workers_b[0]):
+            chosen = route_short_requests(workers_b[0])
+            assert chosen == ["b"] * SHORT_REQUESTS, chosen
+            # B's worker 0 hears A's two workers (B's worker 1 is its own group).
+            assert metric(scrape_metrics(workers_b[0]), "sal_peers_heard") == 2.0
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_peers_without_the_secret_is_a_config_error(tmp_path: Path) -> None:
     port = PortAllocator(22000, 22999).take()
     path = tmp_path / "config.yaml"

@@ -113,10 +113,28 @@ def test_peers_config_is_checked() -> None:
     for data, message in bad:
         with pytest.raises(ConfigError, match=message):
             build_config(data)
-    with_workers = _config(listen="0.0.0.0:7946", addresses=["a:1"])
-    with_workers["listen"] = {"workers": 2}
-    with pytest.raises(ConfigError, match="workers"):
-        build_config(with_workers)
+    any_port = _config(listen="0.0.0.0:0", addresses=["a:1"])
+    any_port["listen"] = {"workers": 2}
+    with pytest.raises(ConfigError, match="give a port"):
+        build_config(any_port)
+    too_high = _config(listen="0.0.0.0:7946", addresses=["a:65535"])
+    too_high["listen"] = {"workers": 2}
+    with pytest.raises(ConfigError, match="65535"):
+        build_config(too_high)
+
+
+def test_each_worker_listens_on_its_own_port_and_sends_to_every_workers_port() -> None:
+    data = _config(listen="0.0.0.0:7946", addresses=["gw-peers:7946", "[fd00::2]:7000"])
+    data["listen"] = {"workers": 3}
+    peers = build_config(data).peers
+    assert peers.for_worker(0, 3).listen == "0.0.0.0:7946"
+    worker2 = peers.for_worker(2, 3)
+    assert worker2.listen == "0.0.0.0:7948"
+    assert worker2.addresses == (
+        "gw-peers:7946", "gw-peers:7947", "gw-peers:7948",
+        "[fd00::2]:7000", "[fd00::2]:7001", "[fd00::2]:7002",
+    )  # fmt: skip
+    assert peers.for_worker(0, 1) == peers  # one worker: as configured
 
 
 class _Pair:
@@ -203,6 +221,23 @@ async def test_changes_of_one_loop_turn_go_out_in_one_datagram_per_peer() -> Non
             ),
             0.5,
         )
+
+
+async def test_the_workers_of_one_host_drop_each_others_datagrams() -> None:
+    """Workers sharing their accounting through memory count each other already: their
+    datagrams (one group) are dropped as their own, while another host's are counted."""
+    clock = [0.0]
+    pair = _Pair(clock)
+    key = backend_key("m", "http://r1:8000")
+    a, b = pair.nets
+    b.group = a.group  # same host
+    async with pair:
+        a.slot("m", "http://r1:8000").publish(3, 30, 30)
+        await _until(lambda: pair.results[1]["own"] >= 1, 0.5)
+        assert b.others(key) == (0, 0, 0)
+        b.group = b.sender  # another host
+        a.slot("m", "http://r1:8000").publish(4, 40, 40)
+        await _until(lambda: b.others(key) == (4, 40, 40), 0.5)
 
 
 async def test_strangers_and_replays_do_not_count() -> None:
