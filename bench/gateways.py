@@ -49,6 +49,7 @@ ROUTERS = (
     "sal_shared",
     "sal_near",
     "sal_peers",
+    "sal_peers_1ms",
     "sal_gossip",
     "p2c",
     "least_requests",
@@ -65,10 +66,15 @@ not built, tells it on a timer instead (`GOSSIP`)."""
 SHARED = {"sal_shared": "sal"}
 """Rows whose gateways share their accounting, and the policy they run."""
 
-GOSSIP = {"sal_peers": (0.0, 0.0002), "sal_gossip": (0.025, 0.001)}
+GOSSIP = {
+    "sal_peers": (0.0, 0.0002),
+    "sal_peers_1ms": (0.0, 0.001),
+    "sal_gossip": (0.025, 0.001),
+}
 """Rows whose gateways tell each other their accounting (`RouterConfig.gossip_interval_s`,
 `gossip_delay_s`), all running `sal`: at every change with 0.2 ms of network delay (what
-``peers`` does within one cluster), and every 25 ms with 1 ms."""
+``peers`` does within one cluster), the same with 1 ms (a slower network, or a busy event
+loop on the receiving side), and every 25 ms with 1 ms."""
 
 LOADS = {"chat": 2.0, "chat-bursty": 0.5, "code": 0.6}
 """Load (multiples of the fleet's 1x) per workload: near p2c+fcfs's capacity on 8 x 8B."""

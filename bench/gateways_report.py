@@ -53,7 +53,7 @@ def _summary(
         f"| sal_near vs sal at K={kmax}: p50, p95 "
         f"| sal_near vs sal at K=1 (its cost): p50, p95 | sal_near vs p2c at K={kmax}: p50, p95 "
         f"| sal_peers at K={kmax} vs sal at K=1: p50, p95 "
-        f"| sal_peers / sal_gossip vs sal_near at K={kmax}: p50, p95 |",
+        f"| sal_peers / sal_peers_1ms / sal_gossip vs sal_near at K={kmax}: p50, p95 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     both = ("ttft_p50_s", "ttft_p95_s")
@@ -65,7 +65,7 @@ def _summary(
         peers = ", ".join(_vs(index, w, ("sal_peers", kmax), ("sal", 1), k) for k in both)
         told = " / ".join(
             ", ".join(_vs(index, w, (r, kmax), ("sal_near", kmax), k) for k in both)
-            for r in ("sal_peers", "sal_gossip")
+            for r in ("sal_peers", "sal_peers_1ms", "sal_gossip")
         )
         herd = ", ".join(_vs(index, w, ("sal", kmax), ("sal", 1), k) for k in both)
         shared = ", ".join(_vs(index, w, ("sal_shared", kmax), ("sal", 1), k) for k in both)
@@ -148,7 +148,8 @@ def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
         "decides on its own snapshots plus every worker's in-flight requests and "
         "unacknowledged tokens. *sal_peers*: K gateways on separate hosts telling each "
         "other the same counts over the network at every change (`peers`), arriving 0.2 ms "
-        "later (one cluster's UDP); each adds the others' latest counts to its own. "
+        "later (one cluster's UDP; *sal_peers_1ms*: 1 ms later); each adds the others' "
+        "latest counts to its own. "
         "*sal_gossip* (a what-if, not built): the same, sent every 25 ms and arriving 1 ms "
         "later. Every other row: K independent gateways (separate hosts), each knowing only "
         "what it routed.",

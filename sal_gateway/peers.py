@@ -4,12 +4,13 @@ Several gateways in front of the same replicas each decide on their own polls pl
 routed themselves since; they do not see what the others routed, so between polls they send
 their next requests to the same replica (herding, `docs/results/gateways.md`). The workers
 of one host share their counts through memory (`sal_gateway.shared_accounting`); gateways on
-separate hosts tell each other over UDP, here. In the simulator, counts that reach the other
-gateways within 0.2 ms of every change route as well as shared memory does, 1 ms keeps most
-of it, and counts sent every 25 ms only as well as `sal_near`: herding happens within bursts
-of near-simultaneous arrivals. So a gateway sends as soon as its counts change (all the
-changes of one event-loop turn in one datagram per peer), not on a timer, plus its full
-state every `PeersConfig.heartbeat_s` (lost datagrams, new peers, and the proof it is alive).
+separate hosts tell each other over UDP, here. In the simulator, counts that reach the
+other gateways within 0.2 ms of every change route as well as shared memory does, 1 ms keeps
+half to most of it, and counts sent every 25 ms only as well as `sal_near`: herding happens
+within bursts of near-simultaneous arrivals. So a gateway sends as soon as its counts
+change (all the changes of one event-loop turn in one datagram per peer), not on a timer,
+plus its full state every `PeersConfig.heartbeat_s` (lost datagrams, new peers, and the proof
+it is alive).
 
 What a gateway sends for each backend: its requests in flight there and the prefill and KV
 tokens it routed there that no snapshot it polled includes yet (`sal_gateway.state`), as
