@@ -39,7 +39,7 @@ _HEADER = struct.Struct("<4sB3xQQQH")
 _ROW = struct.Struct("<QIQQ")
 TAG_BYTES = 16
 MAX_ROWS = 48
-"""Rows per datagram: 36-byte header + 48 x 28 + 16 = 1,396 bytes, under a 1,500-byte
+"""Rows per datagram: 34-byte header + 48 x 28 + 16 = 1,394 bytes, under a 1,500-byte
 Ethernet frame with IP and UDP headers (fragmented datagrams are lost whole, and more
 often, on overlay networks)."""
 MAX_DATAGRAM = _HEADER.size + MAX_ROWS * _ROW.size + TAG_BYTES

@@ -9,10 +9,13 @@ that keeps counting a dead peer's requests, or one that starts without its secre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import httpx
 import pytest
 
 from bench.processes import PortAllocator
+from sal_gateway.peer_wire import PeerRow, encode
 from tests.fault_support import fake_procs
 from tests.gateway_support import gateway_config, metric, run_gateway_process, scrape_metrics
 from tests.herding_support import (
@@ -159,6 +163,53 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_flood_on_the_peers_port_neither_stalls_the_gateway_nor_counts(tmp_path: Path) -> None:
+    """Two seconds of datagrams from someone without the secret: random bytes and forged
+    messages of the right shape. The gateway keeps answering (every probe within 2 s, where
+    a stalled loop would hang them), counts them all as refused, and still takes its real
+    peer's counts afterwards."""
+    ports = PortAllocator(22000, 22999)
+    fake_ports = [ports.take(), ports.take()]
+    gw = [ports.take(), ports.take()]
+    udp = [ports.take(), ports.take()]
+    with fake_procs(tmp_path, fake_ports) as (a, b), ExitStack() as stack:
+        backends = [a.url, b.url]
+        first, _ = stack.enter_context(
+            run_gateway_process(_gateway(gw[0], backends, udp[0], udp[1]), env=SECRET_ENV)
+        )
+        second, _ = stack.enter_context(
+            run_gateway_process(_gateway(gw[1], backends, udp[1], udp[0]), env=SECRET_ENV)
+        )
+        forged = encode(b"guessed secret, not the real one", 7, 1, [PeerRow(1, 99, 9, 9)])
+        junk = [os.urandom(n) for n in (1, 40, 700, 1394, 4000)]
+        probes: list[float] = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as out, httpx.Client() as client:
+            until = time.monotonic() + 2.0
+            while time.monotonic() < until:
+                for data in (forged, *junk) * 40:
+                    with contextlib.suppress(OSError):  # the kernel's buffer is full
+                        out.sendto(data, ("127.0.0.1", udp[1]))
+                started = time.monotonic()
+                assert client.get(f"{second}/health", timeout=2.0).status_code == 200
+                probes.append(time.monotonic() - started)
+        samples = scrape_metrics(second)
+        assert metric(samples, "sal_peer_datagrams_total", result="bad_tag") > 0
+        assert metric(samples, "sal_peer_datagrams_total", result="malformed") > 0
+        assert metric(samples, "sal_peers_heard") <= 1.0  # nobody new was heard
+        assert len(probes) > 10, probes
+        # The real peer still gets through: its heartbeat keeps it heard.
+        accepted = metric(samples, "sal_peer_datagrams_total", result="accepted")
+        wait_until(
+            lambda: (
+                metric(scrape_metrics(second), "sal_peer_datagrams_total", result="accepted")
+                > accepted
+            ),
+            5,
+            "no datagram of the real peer accepted after the flood",
+        )
+        assert httpx.get(f"{first}/health", timeout=5.0).status_code == 200
 
 
 def test_peers_without_the_secret_is_a_config_error(tmp_path: Path) -> None:
