@@ -237,6 +237,7 @@ async def build_runtime(
         accounting_grace_s=routing.accounting_grace_s,
         clock=clock,
         peers=_peer_counts(accounting, network),
+        budget_spread_max=routing.budget_spread_max,
     )
     betas = {m.name: BetaEstimator(seed=routing.beta_seed) for m in config.models}
     session = make_session(config.proxy)

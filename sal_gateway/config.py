@@ -179,6 +179,11 @@ class RoutingConfig:
     """Transit allowance of the between-poll accounting (>= 0): a snapshot written at t is
     taken to include only the requests routed before t minus this. Larger is more
     conservative (a request counts a little longer, never forgotten too early)."""
+    budget_spread_max: float = 4.0
+    """A replica's per-step token budget (``max_num_batched_tokens`` from ``/stats``) counts
+    at most this many times the smallest an eligible replica of its pool reports: one whose
+    ``/stats`` claims a huge budget would otherwise look idle however long its queue and take
+    nearly every request. Raise it for a fleet whose replicas really differ more; 0: no cap."""
     # --- prefix cache (issue 9) ------------------------------------------------------------
     prefix_cache: str = "approximate"
     """What the gateway knows of each replica's prefix cache, for cache-aware policies
@@ -675,6 +680,9 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
         accounting_grace_s=_nonnegative(
             f"{path}.accounting_grace_s", data.get("accounting_grace_s", d.accounting_grace_s)
         ),
+        budget_spread_max=_budget_spread(
+            f"{path}.budget_spread_max", data.get("budget_spread_max", d.budget_spread_max)
+        ),
         prefix_cache=_prefix_mode(f"{path}.prefix_cache", data.get("prefix_cache", d.prefix_cache)),
         session_header=_session_header(f"{path}.session_header", data.get("session_header")),
         kv_events_port=_port(
@@ -687,6 +695,13 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
             0,
         ),
     )
+
+
+def _budget_spread(path: str, value: object) -> float:
+    spread = _nonnegative(path, value)
+    if 0 < spread < 1:
+        raise ConfigError(f"{path}: must be 0 (no cap) or >= 1, got {value!r}")
+    return spread
 
 
 def _port(path: str, value: object) -> int:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from sal_core.policies import BackendView
@@ -88,6 +88,31 @@ class PeerCounts(Protocol):
 
     def others(self) -> tuple[int, int, int]:
         """The other workers' (in flight, unacknowledged prefill tokens, KV tokens)."""
+
+
+DEFAULT_BUDGET_SPREAD_MAX = 4.0
+
+
+def cap_budgets(views: list[BackendView], spread: float) -> list[BackendView]:
+    """`views` with every per-step token budget capped at `spread` times the smallest one
+    an eligible backend of the pool reports (pure; `spread` 0: unchanged).
+
+    SAL divides a replica's queue by its budget, so a replica whose ``/stats`` claims a huge
+    ``max_num_batched_tokens`` (a bug, a hostile replica) would look idle however long its
+    queue, and take nearly every request. Replicas of one pool normally run one
+    configuration; a fleet that mixes GPUs keeps its real differences up to `spread`."""
+    if spread <= 0 or len(views) < 2:
+        return views
+    floor = min((v.max_num_batched_tokens for v in views if v.eligible), default=0)
+    if floor < 1:
+        return views
+    cap = max(1, int(floor * spread))
+    if all(v.max_num_batched_tokens <= cap for v in views):
+        return views
+    return [
+        replace(v, max_num_batched_tokens=cap) if v.max_num_batched_tokens > cap else v
+        for v in views
+    ]
 
 
 def shows_progress(previous: ReplicaStats | None, current: ReplicaStats) -> bool:
@@ -294,6 +319,8 @@ class StateTable:
     peers: Callable[[str, str], PeerCounts | None] | None = None
     """The shared accounting entry of a (model, url) backend (``listen.workers``); None,
     or a None entry: that backend is accounted by this process alone."""
+    budget_spread_max: float = DEFAULT_BUDGET_SPREAD_MAX
+    """`cap_budgets`' spread (``routing.budget_spread_max``; 0: no cap)."""
     _pools: dict[str, dict[str, BackendState]] = field(default_factory=dict)
 
     # --- membership ---------------------------------------------------------------------
@@ -423,9 +450,10 @@ class StateTable:
     def views(self, model: str, now_s: float) -> list[BackendView]:
         """What the policy sees for `model`'s pool now (same order as `backends()`)."""
         stale_after_s = self.stale_after_s
-        return [
+        views = [
             b.view(b.is_eligible(now_s, stale_after_s)) for b in self._pools.get(model, {}).values()
         ]
+        return cap_budgets(views, self.budget_spread_max)
 
     def degraded_views(self, model: str, now_s: float, max_age_s: float) -> list[BackendView]:
         """Views for *degraded routing*, used only when no backend of `model` is eligible
@@ -453,9 +481,10 @@ class StateTable:
             if age is not None:
                 ages[b.url] = age
         freshest = min(ages.values(), default=0.0)
-        return [
+        views = [
             b.view(b.url in ages and ages[b.url] <= freshest + self.stale_after_s) for b in pool
         ]
+        return cap_budgets(views, self.budget_spread_max)
 
     def is_live(self, model: str, url: str, now_s: float) -> bool:
         """Whether `url`'s engine is demonstrably alive now: a fresh good poll and recent

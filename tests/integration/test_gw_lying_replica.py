@@ -10,6 +10,10 @@ Trusting a's numbers alone, SAL sends a almost every request: at each poll a's q
 and b's 3,000 tokens, and a's tickets are acknowledged by every new snapshot. The gateway
 floors a replica's queue by the prompt tokens of its own streams still waiting there for a
 first byte (`sal_gateway.state`), so once a few are waiting on a, b gets its share.
+
+A replica can also lie about its per-step token budget, by which SAL divides its queue: one
+claiming 10^12 tokens would look idle under any queue. The gateway counts a budget at most
+``routing.budget_spread_max`` times the pool's smallest (`sal_gateway.state.cap_budgets`).
 """
 
 from __future__ import annotations
@@ -87,3 +91,35 @@ def test_a_replica_that_reports_no_queue_does_not_draw_every_stream(tmp_path: Pa
     # were unacknowledged (measured before the floor: 0 of 30, every TTFT >= 1.5 s).
     assert share_b >= 0.4, answers
     assert ttft_p50 < LIAR_FIRST_TOKEN_S, answers
+
+
+@pytest.mark.parametrize("spread", [4.0, 0.0], ids=["capped", "uncapped"])
+def test_a_replica_that_claims_a_huge_step_budget_does_not_draw_every_request(
+    tmp_path: Path, spread: float
+) -> None:
+    """Replica a reports a deep queue (50,000 tokens) but a per-step budget of 10^12 tokens,
+    so its queue divided by its budget is about 0; honest b reports 3,000 queued tokens and
+    a budget of 2,048. With ``routing.budget_spread_max`` 4 (the default) a's budget counts
+    as 4 x 2,048 at most, its queue as 6 steps against b's 1.5, and every request goes to b;
+    with the cap off (0) every request goes to the liar."""
+    ports = PortAllocator(22300, 22400)
+    with ExitStack() as stack:
+        liar, honest = stack.enter_context(fake_procs(tmp_path, [ports.take(), ports.take()]))
+        liar.fault(stats={"queued_prefill_tokens": 50_000, "max_num_batched_tokens": 10**12})
+        honest.fault(stats={"queued_prefill_tokens": 3000, "max_num_batched_tokens": 2048})
+        config = gateway_config(
+            ports.take(),
+            [liar.url, honest.url],
+            tokenizer=None,
+            extra={"log_level": "warning", "routing": {"budget_spread_max": spread}},
+        )
+        url, _proc = stack.enter_context(run_gateway_process(config))
+        time.sleep(0.5)  # both polled
+        chosen = []
+        with httpx.Client(timeout=30.0) as client:
+            for _ in range(20):
+                body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+                resp = client.post(f"{url}/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                chosen.append(resp.headers.get("x-fake-backend"))
+    assert chosen == ["b" if spread else "a"] * 20, chosen

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_sim.fake_vllm import default_stats
-from sal_gateway.state import StateTable, Ticket, shows_progress
+from sal_core.policies import BackendView
+from sal_gateway.state import StateTable, Ticket, cap_budgets, shows_progress
 
 A, B = "http://a:1", "http://b:1"
 
@@ -474,3 +475,34 @@ def test_a_backend_that_serves_another_model_gets_nothing_until_it_serves_this_o
     assert [v.eligible for v in table.views("m", 10.0)] == [True, True]
     assert table.serving_elsewhere("m") == []
     assert not table.set_served("m", "http://unknown:1", ("other",))
+
+
+def _budget_views(*budgets: int, eligible: tuple[bool, ...] | None = None) -> list[BackendView]:
+    flags = eligible or (True,) * len(budgets)
+    return [
+        BackendView(f"http://r{i}", ok, 0, 10_000, 1_000, budget)
+        for i, (budget, ok) in enumerate(zip(budgets, flags, strict=True))
+    ]
+
+
+def test_a_claimed_step_budget_counts_at_most_spread_times_the_pools_smallest() -> None:
+    capped = cap_budgets(_budget_views(2048, 4096, 10**12), 4.0)
+    assert [v.max_num_batched_tokens for v in capped] == [2048, 4096, 8192]
+    # Within the spread (a fleet that mixes GPUs), nothing changes.
+    mixed = _budget_views(2048, 8192)
+    assert cap_budgets(mixed, 4.0) is mixed
+    # Off, or a pool of one: as reported.
+    assert cap_budgets(_budget_views(2048, 10**12), 0.0)[1].max_num_batched_tokens == 10**12
+    assert cap_budgets(_budget_views(10**12), 4.0)[0].max_num_batched_tokens == 10**12
+    # Only eligible replicas set the floor: a stale one's small budget does not squeeze.
+    views = _budget_views(16, 8192, 8192, eligible=(False, True, True))
+    assert [v.max_num_batched_tokens for v in cap_budgets(views, 4.0)] == [16, 8192, 8192]
+
+
+def test_the_table_caps_budgets_in_its_views() -> None:
+    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+    for url, budget in (("http://a", 10**12), ("http://b", 2048)):
+        table.add_backend("m", url)
+        stats = dataclasses.replace(default_stats("m"), max_num_batched_tokens=budget)
+        table.record_poll_success("m", url, stats, "stats", now_s=0.0)
+    assert [v.max_num_batched_tokens for v in table.views("m", 0.1)] == [8192, 2048]
