@@ -4,8 +4,9 @@ The many-gateway experiment of `bench.gateways` on the real path: for each K and
 gateway runs as a user runs it, ``sal-gateway serve`` in a child process with
 ``listen.workers: K`` (K processes sharing one port, each with its own pollers and, with
 ``listen.share_accounting: false``, its own accounting: K independent gateways, as in the
-simulator's rows other than ``sal_shared``; `sal_gateway.workers`), in front of emulated
-replicas
+simulator's rows other than ``sal_shared``; `sal_gateway.workers`; router ``sal_shared``:
+the workers share their accounting; ``sal_peers``: they tell each other over UDP, ``peers``,
+as gateways on separate hosts do), in front of emulated replicas
 (`engine_sim.emulator.run_emulators`, in this process, on the wall clock at ``time_scale``).
 The client opens a new connection per request, so the kernel's ``SO_REUSEPORT`` hash spreads
 requests over the workers at random, as a Service spreads them over gateway replicas. The
@@ -54,21 +55,36 @@ class Cell:
     worker_shares: tuple[float, ...]
 
 
+ROUTER_MODES = {"sal_shared": "sal", "sal_peers": "sal"}
+"""Rows that are `sal` with the workers telling each other: `sal_shared` through shared
+memory (``listen.share_accounting``), `sal_peers` over UDP on loopback (``peers``, each
+worker a peer of its own, as gateways on separate hosts are). Every other router's workers
+keep their own accounting."""
+
+PEERS_SECRET = "real-path benchmark peers secret"
+
+
 def _config(
-    urls: Sequence[str], router: str, k: int, port: int, first_own: int, args: argparse.Namespace
+    urls: Sequence[str],
+    router: str,
+    k: int,
+    port: int,
+    first_own: int,
+    args: argparse.Namespace,
+    first_udp: int | None = None,
 ) -> dict[str, Any]:
     poll_s = 0.1 * args.time_scale
-    return {
+    config: dict[str, Any] = {
         "listen": {
             "host": "127.0.0.1",
             "port": port,
             "workers": k,
             "worker_ports_from": first_own,
-            "share_accounting": False,
+            "share_accounting": router == "sal_shared",
         },
         "models": [{"name": MODEL_NAME, "backends": list(urls)}],
         "routing": {
-            "policy": router,
+            "policy": ROUTER_MODES.get(router, router),
             "poll_interval_s": poll_s,
             "stale_after_s": max(1.0, 10 * poll_s),
             "seed": args.seed,
@@ -76,6 +92,11 @@ def _config(
         "limits": {"body_workers": 1},
         "log_level": "warning",
     }
+    if router == "sal_peers" and first_udp is not None:
+        # Worker i listens on first_udp + i and sends to first_udp + 0..K-1.
+        address = f"127.0.0.1:{first_udp}"
+        config["peers"] = {"listen": address, "addresses": [address]}
+    return config
 
 
 def _requests_served(port: int) -> float:
@@ -100,7 +121,7 @@ def _start_gateway(config_path: Path, log_path: Path) -> subprocess.Popen[bytes]
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=dict(os.environ),
+            env={**os.environ, "SAL_GATEWAY_PEERS_SECRET": PEERS_SECRET},
         )
 
 
@@ -121,11 +142,14 @@ async def _real(
     ) as urls:
         port = ports.take()
         own = [ports.take() for _ in range(k)] if k > 1 else [port]
-        if own != list(range(own[0], own[0] + len(own))):
-            raise RuntimeError(f"worker ports {own} are not consecutive; free some ports")
+        udp = [ports.take() for _ in range(k)]
+        for group in (own, udp):
+            if group != list(range(group[0], group[0] + len(group))):
+                raise RuntimeError(f"ports {group} are not consecutive; free some ports")
         with tempfile.TemporaryDirectory(prefix="sal-real-gw-") as tmp:
             path = Path(tmp) / "config.yaml"
-            path.write_text(yaml.safe_dump(_config(urls, router, k, port, own[0], args)))
+            config = _config(urls, router, k, port, own[0], args, first_udp=udp[0])
+            path.write_text(yaml.safe_dump(config))
             proc = _start_gateway(path, Path(tmp) / "gateway.log")
             try:
                 for p in own:
@@ -137,7 +161,10 @@ async def _real(
                 async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
                     start = time.monotonic() + 0.2
                     results = await asyncio.gather(
-                        *(_one_request(client, url, r, start, args.time_scale) for r in requests)
+                        *(
+                            _one_request(client, url, r, start, args.time_scale, i)
+                            for i, r in enumerate(requests)
+                        )
                     )
                 served = [await asyncio.to_thread(_requests_served, p) for p in own]
             except RuntimeError as exc:
@@ -152,7 +179,15 @@ async def _real(
 def _sim(requests: Sequence[Any], args: argparse.Namespace, router: str, k: int) -> Any:
     from engine_sim.simulator import RouterConfig, simulate
 
-    config = RouterConfig(policy=router, seed=args.seed, gateways=k, gateway_split="random")
+    config = RouterConfig(
+        policy=ROUTER_MODES.get(router, router),
+        seed=args.seed,
+        gateways=k,
+        gateway_split="random",
+        shared_accounting=router == "sal_shared" and k > 1,
+        gossip_interval_s=0.0 if router == "sal_peers" else None,
+        gossip_delay_s=0.0002,
+    )
     return simulate(
         requests,
         replicas=args.replicas,
@@ -207,7 +242,8 @@ def render(cells: Sequence[Cell], args: argparse.Namespace, n: int) -> str:
         f"emulated replicas with the `{args.scheduler}` engine scheduler, time scale "
         f"{args.time_scale:g}. Real: `sal-gateway serve` with `listen.workers: K` (K processes "
         "on one port, each with its own pollers and accounting: `listen.share_accounting: "
-        "false`), a new connection per request "
+        "false`; `sal_shared`: the workers share it through memory; `sal_peers`: each worker "
+        "tells the others over UDP on loopback, `peers`), a new connection per request "
         "so the kernel spreads them; sim: the simulator with K gateways and a random split. "
         "One run per cell on the shared 2-core machine (every process of the run shares it): "
         "compare within a column, expect noise. Times in modelled seconds.\n",

@@ -79,17 +79,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def distinct_prompt(index: int, tokens: int) -> list[int]:
+    """Token ids for request `index` that share no prefix block with another request of the
+    run: its first two ids are its own (up to 810,000 requests), so its first block's hash
+    differs and so does every chained block after it. The emulated replicas cache prompt
+    blocks as vLLM does, and the simulated requests of these traces share nothing; with one
+    repeated id every prompt after the first was a cache hit (real TTFT 4x below the sim)."""
+    head = [10 + index % 900, 10 + (index // 900) % 900]
+    return (head + [10 + (index + j) % 900 for j in range(tokens)])[: max(1, tokens)]
+
+
 async def _one_request(
-    client: Any, url: str, req: Any, start_wall: float, time_scale: float
+    client: Any, url: str, req: Any, start_wall: float, time_scale: float, index: int
 ) -> tuple[float, float] | str:
-    """Send one streaming completion at its arrival time.
+    """Send request `index` as one streaming completion at its arrival time
+    (`distinct_prompt`).
 
     Returns (TTFT, TGT) in modelled seconds, or why it failed (HTTP status, exception type).
     """
     await asyncio.sleep(max(0.0, start_wall + req.arrival_s * time_scale - time.monotonic()))
     body = {
         "model": MODEL_NAME,
-        "prompt": [1] * req.prompt_tokens,
+        "prompt": distinct_prompt(index, req.prompt_tokens),
         "max_tokens": req.output_tokens,
         "ignore_eos": True,
         "stream": True,
@@ -164,7 +175,10 @@ async def _real_run(requests: Sequence[Any], args: argparse.Namespace, router: s
             async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
                 start_wall = time.monotonic() + 0.2
                 results = await asyncio.gather(
-                    *(_one_request(client, url, r, start_wall, args.time_scale) for r in requests)
+                    *(
+                        _one_request(client, url, r, start_wall, args.time_scale, i)
+                        for i, r in enumerate(requests)
+                    )
                 )
         finally:
             server.should_exit = True
