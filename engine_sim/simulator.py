@@ -28,8 +28,10 @@ accounting and in-flight counts (only of the requests it routed), its own beta e
 by its own finished requests) and its own policy object. Nothing is shared but the replicas,
 unless `RouterConfig.shared_accounting` (the workers of one host, ``listen.workers``): then
 each decides on its own snapshots plus the sum of every gateway's in-flight counts and
-between-poll accounting. Every decision is logged (`SimResult.decisions`) so herding can be
-measured.
+between-poll accounting; or `RouterConfig.gossip_interval_s` (gateways on separate hosts
+telling each other, ``peers``): the same sum with the others' counts as they were
+`RouterConfig.gossip_delay_s` earlier. Every decision is logged (`SimResult.decisions`) so
+herding can be measured.
 
 Event loop: a heap of next-event times. A busy replica has exactly one pending event, the
 end of its current iteration (`step(now)` returns the iteration's duration; its tokens are
@@ -140,11 +142,12 @@ class RouterConfig:
     each decides on its own snapshot plus every gateway's in-flight requests and
     unacknowledged tokens. False: each counts only what it routed itself."""
     gossip_interval_s: float | None = None
-    """A what-if (nothing in the gateway does this): several gateways on separate hosts
-    telling each other their between-poll accounting over the network. Every
-    `gossip_interval_s` (0: at every change, a message per event) each gateway sends its
-    in-flight counts and unacknowledged tokens, which reach the others `gossip_delay_s`
-    later; each decides on its own fresh counts plus the others' latest. None: off."""
+    """Several gateways on separate hosts telling each other their between-poll accounting
+    over the network. Every `gossip_interval_s` each gateway sends its in-flight counts and
+    unacknowledged tokens, which reach the others `gossip_delay_s` later; each decides on
+    its own fresh counts plus the others' latest. 0: at every change, what ``peers`` does
+    (`sal_gateway.peers`); a positive interval is a what-if the gateway does not offer.
+    None: off."""
     gossip_delay_s: float = 0.001
     """One-way network delay of a gossip message (see `gossip_interval_s`)."""
 
