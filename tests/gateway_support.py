@@ -185,3 +185,24 @@ def metric(samples: Mapping[MetricKey, float], name: str, **labels: str) -> floa
     """Sum of the samples called ``name`` whose labels include ``labels`` (0 when none)."""
     want = set(labels.items())
     return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+
+
+def serve_refused(
+    config_text: str, tmp_path: Path, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``sal-gateway serve`` on `config_text` (a config the test expects it to refuse at
+    start) and return the finished process; asserts the refusal's shape: exit status 2 and
+    no traceback (the caller checks what the message says)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text)
+    done = subprocess.run(
+        [sys.executable, "-m", "sal_gateway.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=None if env is None else dict(env),
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    return done

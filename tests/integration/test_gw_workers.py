@@ -12,8 +12,6 @@ flight, and without it it does not.
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,13 @@ import pytest
 
 from bench.processes import PortAllocator
 from tests.fault_support import fake_procs
-from tests.gateway_support import gateway_config, metric, run_gateway, scrape_metrics
+from tests.gateway_support import (
+    gateway_config,
+    metric,
+    run_gateway,
+    scrape_metrics,
+    serve_refused,
+)
 from tests.herding_support import (
     SHORT_REQUESTS,
     route_short_requests,
@@ -105,21 +109,12 @@ def test_two_workers_share_the_port_and_their_metrics_add_up(tmp_path: Path) -> 
 
 
 def test_a_bad_worker_count_is_a_config_error(tmp_path: Path) -> None:
-    path = tmp_path / "config.yaml"
-    path.write_text(
+    done = serve_refused(
         "listen: {port: 8080, workers: 2, worker_ports_from: 8079}\n"
-        "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n"
+        "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n",
+        tmp_path,
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "sal_gateway.cli", "serve", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2
     assert "listen.worker_ports_from" in done.stderr
-    assert "Traceback" not in done.stderr
 
 
 def test_a_worker_that_cannot_bind_stops_the_set_with_one_line(tmp_path: Path) -> None:
@@ -128,23 +123,14 @@ def test_a_worker_that_cannot_bind_stops_the_set_with_one_line(tmp_path: Path) -
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
         squatter.bind(("127.0.0.1", taken_port))
         squatter.listen()
-        path = tmp_path / "config.yaml"
-        path.write_text(
+        done = serve_refused(
             f"listen: {{host: 127.0.0.1, port: {gw_port}, workers: 2, "
             f"worker_ports_from: {taken_port}}}\n"
-            "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n"
+            "models: [{name: tiny, backends: ['http://127.0.0.1:9']}]\n",
+            tmp_path,
         )
-        done = subprocess.run(
-            [sys.executable, "-m", "sal_gateway.cli", "serve", "--config", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    assert done.returncode == 2
     assert f"cannot bind 127.0.0.1:{taken_port}" in done.stderr
     assert "stopping the other workers" in done.stderr
-    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "separate"])
