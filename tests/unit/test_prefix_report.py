@@ -91,3 +91,31 @@ def test_a_worse_tail_than_a_baseline_other_than_the_best_by_p50_is_its_own_aim(
         "0.64x (per seed 0.60-0.67x, better on 0 of 3)",
         "not met (worse on every seed)",
     )
+
+
+def test_the_bound_says_how_much_any_router_could_gain_over_the_best_baseline(
+    tmp_path: Path,
+) -> None:
+    rows = []
+    for seed in range(3):
+        rows += [
+            _row("sal", seed, 1.0),
+            _row("sal_paper", seed, 3.0),
+            _row("llm_d", seed, 1.2 + 0.1 * seed, hit_rate=0.45),
+        ]
+    doc = _doc(rows, "reuse survives")
+    doc["results"]["bound"] = [
+        {"scenario": "s", "seed": seed, "requests": 10, "bound_p50_s": 0.8,
+         "bound_p95_s": 1.0, "bound_p99_s": 1.1, "max_hit_rate": 0.74}
+        for seed in range(3)
+    ]  # fmt: skip
+    verdicts = {aim: measured for _, aim, measured, _ in aims(doc)}
+    # llm_d's p50 over the bound's, per seed: 1.5, 1.625, 1.75.
+    assert verdicts["p50 TTFT >= 1.2x lower than the best baseline (llm_d)"].endswith(
+        "; no router could exceed 1.62x (1.50-1.75x, the TTFT bound)"
+    )
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert (
+        "| s | 74% / 50% / 45% | 0.80 | 1.25x (1.25-1.25x) | 1.62x (1.50-1.75x) (llm_d) |" in text
+    )
