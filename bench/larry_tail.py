@@ -30,6 +30,7 @@ from bench.larry_tail_runs import (
     TUNING_WINDOWS,
     VARIANTS,
     WORKLOADS,
+    build_for,
     load_requests,
     run_variant,
     variant,
@@ -79,7 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _job(spec: tuple[str, int, float, str, str]) -> Row:
     workload, window, load_x, label, folder = spec
     reqs = load_requests(workload, window, load_x, Path(folder))
-    summary = run_variant(reqs, variant(label).build)
+    summary = run_variant(reqs, build_for(variant(label), reqs))
     return {
         "workload": workload,
         "window": window,
@@ -169,9 +170,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     rows = run_sweep(workloads, windows, loads, labels, args.data_dir, max(1, args.jobs))
+    kept: dict[str, Any] = {}
+    wall_before = 0.0
+    invocation = f"--schedulers {','.join(labels)!r} --jobs {max(1, args.jobs)}"
     if args.merge and raw.is_file():
-        old = json.loads(raw.read_text())["rows"]
-        rows = [r for r in old if r["scheduler"] not in labels] + rows
+        previous = json.loads(raw.read_text())
+        rows = [r for r in previous["rows"] if r["scheduler"] not in labels] + rows
+        # The other schedulers' rows stay, and so does what the report says about them.
+        kept = {k: previous["meta"][k] for k in ("tuned_on", "note") if k in previous["meta"]}
+        wall_before = float(previous["meta"].get("wall_s", 0.0))
+        invocation += " --merge"
+        if "note" in kept:
+            kept["note"] = f"{kept['note']}, then {invocation}"
     order = {v.label: i for i, v in enumerate(VARIANTS)}
     rows = [r for r in rows if r["scheduler"] in order]
     rows.sort(key=lambda r: (r["workload"], r["window"], r["load_x"], order[r["scheduler"]]))
@@ -182,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
         "held_out_windows": list(HELD_OUT_WINDOWS),
         "workloads": [w for w in WORKLOADS if any(r["workload"] == w for r in rows)],
         "variants": {v.label: v.description for v in VARIANTS},
-        "wall_s": round(time.perf_counter() - started, 1),
+        "wall_s": round(wall_before + time.perf_counter() - started, 1),
+        "note": f"one invocation on a shared 2-core machine: {invocation}",
+        **kept,
     }
     out.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

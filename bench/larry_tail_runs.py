@@ -55,6 +55,10 @@ class Variant:
     label: str
     build: Callable[[EngineConfig], EngineScheduler]
     description: str
+    hindsight_share: float = 0.0
+    """> 0: a what-if no scheduler can run: `build` is ignored, and each run first replays
+    its requests with FCFS, then with the tail guard's headroom and one fixed deadline for
+    every request, this share of *that run's* FCFS p99 (`hindsight_build`)."""
 
 
 DEFAULT_HEADROOM = TailParams().headroom
@@ -92,6 +96,14 @@ VARIANTS: tuple[Variant, ...] = (
         "recent one) + 0.25 s, plus the headroom",
     ),
     Variant("tgi", TgiScheduler, "TGI admission: waiting-served ratio 1.2, 20 waiting tokens"),
+    Variant(
+        "hindsight deadline (what-if)",
+        FcfsScheduler,
+        "no scheduler can run it: every request pinned once it has waited half of FCFS's p99 "
+        "on the same requests (known only afterwards), LARRY's order before, plus the "
+        "headroom; how much room there is when the coming peak is known",
+        hindsight_share=0.5,
+    ),
 )
 """Every scheduler of the comparison, in table order."""
 
@@ -156,6 +168,22 @@ def run_variant(
     out = result.summary.to_dict()
     out["ttft_max_s"] = max((o.ttft_s for o in result.outcomes), default=float("nan"))
     return out
+
+
+def hindsight_build(
+    requests: list[TraceRequest], share: float
+) -> Callable[[EngineConfig], EngineScheduler]:
+    """The tail guard with one fixed deadline, `share` of FCFS's p99 TTFT on `requests`
+    (replayed first): the `Variant.hindsight_share` what-if."""
+    fcfs_p99 = float(run_variant(requests, FcfsScheduler)["ttft_p99_s"])
+    return _tail(pin="adaptive_aging", slack=0.0, margin_s=share * fcfs_p99)
+
+
+def build_for(
+    v: Variant, requests: list[TraceRequest]
+) -> Callable[[EngineConfig], EngineScheduler]:
+    """How to build `v`'s scheduler for a run on `requests`."""
+    return hindsight_build(requests, v.hindsight_share) if v.hindsight_share > 0 else v.build
 
 
 def load_requests(workload: str, window: int, load_x: float, data_dir: Path) -> list[TraceRequest]:

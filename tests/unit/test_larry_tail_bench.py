@@ -8,15 +8,22 @@ from typing import Any
 import pytest
 
 from bench.larry_tail import main
-from bench.larry_tail_report import aims_met, aims_table, render
+from bench.larry_tail_report import aims_met, aims_summary, aims_table, render
 from bench.larry_tail_runs import (
     HELD_OUT_WINDOWS,
     TUNING_WINDOWS,
     VARIANTS,
     WINDOW_S,
+    build_for,
+    run_variant,
+    variant,
     window_requests,
 )
+from engine_sim.cost_model import get_profile
 from engine_sim.data import data_dir
+from engine_sim.engine import EngineConfig
+from engine_sim.schedulers import LarryTailScheduler
+from engine_sim.trace import TraceRequest
 
 
 def run(p50: float, p99: float, mx: float) -> dict[str, Any]:
@@ -110,3 +117,28 @@ def test_cli_refuses_unknown_schedulers_and_windows(capsys: pytest.CaptureFixtur
     assert "--schedulers must be among" in capsys.readouterr().err
     assert main(["--windows", "7"]) == 2
     assert main(["--report-only", "--out", str(Path("/nonexistent"))]) == 2
+
+
+def test_the_summary_counts_busy_runs_that_meet_p50_p99_and_max_at_once() -> None:
+    rows, meta = _rows()
+    lines = aims_summary(rows, meta, "fcfs")
+    # Window 0 meets all three; window 3 misses the p99 (53.5 > 51): 1 of 2 busy runs.
+    assert "| larry_tail | 1/2 | 2/2 | 2/2 | - | 0/1 | 1/2 |" in lines
+
+
+def test_the_hindsight_what_if_pins_at_half_of_fcfss_own_p99() -> None:
+    # An overloaded minute: 400 requests of 1,500-3,000 prompt tokens at 6.7/s.
+    reqs = [
+        TraceRequest(0.15 * i, 1_500 + (i * 7_919) % 1_500, 50 + (i * 104_729) % 200)
+        for i in range(400)
+    ]
+    fcfs_p99 = run_variant(reqs, variant("fcfs").build)["ttft_p99_s"]
+    assert fcfs_p99 > 5.0
+    build = build_for(variant("hindsight deadline (what-if)"), reqs)
+    config = EngineConfig(num_kv_blocks=get_profile("llama3-8b-a100").num_kv_blocks(16))
+    scheduler = build(config)
+    assert isinstance(scheduler, LarryTailScheduler)
+    assert scheduler.guard.params.slack == 0.0
+    assert scheduler.guard.params.margin_s == pytest.approx(0.5 * fcfs_p99)
+    # Every other variant builds what it names, whatever the requests.
+    assert build_for(variant("larry_tail"), reqs) is variant("larry_tail").build
