@@ -156,6 +156,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (1)")
     parser.add_argument("--stacks", default=None, help="comma list (default: every stack)")
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other stacks' rows of the --out folder's capacity.json (with --stacks)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="rewrite capacity.md and capacity.png from the capacity.json in --out",
@@ -425,13 +430,32 @@ def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
+    previous_path = args.out / "capacity.json"
+    previous: dict[str, Any] | None = None
+    if args.merge and previous_path.is_file():
+        previous = json.loads(previous_path.read_text())
+        if bool(previous["meta"].get("quick")) != bool(args.quick):
+            print("sal-bench capacity: error: cannot --merge quick and full runs", file=sys.stderr)
+            return 2
     rows = measure(plan, args.data_dir, names, args.jobs, args.out / "capacity.partial.json")
+    wall_before = 0.0
+    if previous is not None:
+        measured = {r["stack"] for r in rows}
+        rows = [r for r in previous["rows"] if r["stack"] not in measured] + rows
+        wall_before = float(previous["meta"].get("wall_s", 0.0))
+        from bench.stacks import BASELINE, STACKS
+
+        # As `measure` orders a cell: the baseline first, then the stacks in table order
+        # (stable: the cells keep theirs).
+        order = {s.name: i for i, s in enumerate(STACKS)}
+        order[BASELINE] = -1
+        rows.sort(key=lambda r: order.get(r["stack"], len(order)))
     meta = {
         "quick": bool(args.quick),
         "plan": asdict(plan),
         "slos": {w: asdict(s) for w, s in SLOS.items()},
         "bracket": BRACKET,
-        "wall_s": round(time.perf_counter() - started, 1),
+        "wall_s": round(wall_before + time.perf_counter() - started, 1),
         "command": "sal-bench capacity" + (" --quick" if args.quick else ""),
     }
     (args.out / "capacity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -200,9 +200,10 @@ def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
     from bench.windows import REUSE_WORKLOADS
 
     reuse = {r["workload"] for r in rows if r["workload"] in REUSE_WORKLOADS}
-    for row in rows:
-        row.setdefault("slo", meta["slos"][row["workload"]])
-        row.setdefault("rel_tol", meta["plan"]["rel_tol"])
+    # Older rows lack their SLO and tolerance: the run's own (copies: the caller's rows stay).
+    rows = [
+        {"slo": meta["slos"][r["workload"]], "rel_tol": meta["plan"]["rel_tol"], **r} for r in rows
+    ]
     groups = _groups(rows)
     plan = meta["plan"]
     probes = sum(len(r["probes"]) for r in rows)

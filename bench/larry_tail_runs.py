@@ -78,16 +78,21 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant("larry", LarryScheduler, "paper LARRY, alpha 1"),
     Variant(
-        "aging m1 (issue)",
-        _tail(pin="adaptive_aging", slack=0.5, margin_s=1.0),
-        "issue 10's baseline as we read it: pinned after 1 s + 0.5 x the largest FCFS-wait "
-        "estimate of the last 60 s, plus the headroom",
-    ),
-    Variant(
         "larry_tail",
         _tail(),
-        "the shipped default (`TailParams()`): the same rule with a 0.25 s margin, plus the "
-        "headroom",
+        "the shipped default (`TailParams()`): pinned after 1 s + 0.5 x the largest FCFS-wait "
+        "estimate of the last 60 s (issue 10's baseline rule), plus the headroom",
+    ),
+    Variant(
+        "larry_tail margin 0.25 s",
+        _tail(margin_s=0.25),
+        "the same with a 0.25 s margin (the default until the capacity measurements: a better "
+        "max at light loads, less capacity)",
+    ),
+    Variant(
+        "larry_tail margin 2 s",
+        _tail(margin_s=2.0),
+        "the same with a 2 s margin (paper LARRY's capacity at SLO, a worse max at light loads)",
     ),
     Variant(
         "larry_tail fcfs_due",

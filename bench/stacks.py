@@ -63,6 +63,12 @@ STACKS: tuple[Stack, ...] = (
     Stack("sal+fcfs", "sal", what="the SAL gateway, stock vLLM order (+ /stats)"),
     Stack("sal+larry", "sal", {"scheduler": "larry", "alpha": 1.0}, what="SAL + paper LARRY"),
     Stack("sal+larry_tail", "sal", {"scheduler": "larry_tail"}, what="SAL + tail-guarded LARRY"),
+    Stack(
+        "sal+larry_tail margin 2 s",
+        "sal",
+        {"scheduler": "larry_tail", "tail_margin_s": 2.0},
+        what='SAL + tail-guarded LARRY, {"larry_tail": {"margin_s": 2.0}}',
+    ),
     Stack("sal_paper+fcfs", "sal_paper", needs_reuse=True, what="SAL's Eq. 2 blind to caches"),
     Stack("llm_d+fcfs", "llm_d", needs_reuse=True, what="llm-d's default prefix/queue/KV scorers"),
     Stack("cache_aware+fcfs", "cache_aware", needs_reuse=True, what="SGLang router's cache_aware"),

@@ -102,6 +102,9 @@ class EngineConfig:
     """LARRY's waiting-time weight (per second)."""
     trail_c: float = 0.8
     """TRAIL+ preemption threshold: preemptible while ``output_done <= c * output_tokens``."""
+    tail_margin_s: float | None = None
+    """``larry_tail``'s ``margin_s`` (`sal_core.larry_tail.TailParams`; None: its default),
+    what a deployment sets with ``--additional-config '{"larry_tail": {"margin_s": ...}}'``."""
     model_name: str = "tiny"
     """Served model name (reported in `/stats`)."""
     reserve_full_prompt: bool = True
@@ -123,6 +126,10 @@ class EngineConfig:
             raise ValueError(f"unknown engine scheduler {self.scheduler!r} (known: {known})")
         if self.trail_c < 0:
             raise ValueError(f"EngineConfig.trail_c must be >= 0, got {self.trail_c}")
+        if self.tail_margin_s is not None and not 0 <= self.tail_margin_s < float("inf"):
+            raise ValueError(
+                f"EngineConfig.tail_margin_s must be a finite number >= 0, got {self.tail_margin_s}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,7 +215,13 @@ class LarryTailScheduler(EngineScheduler):
 
     def __init__(self, config: EngineConfig, params: TailParams | None = None) -> None:
         super().__init__(config)
-        self.params = params or TailParams()
+        if params is None:
+            params = (
+                TailParams()
+                if config.tail_margin_s is None
+                else TailParams(margin_s=config.tail_margin_s)
+            )
+        self.params = params
         self.guard = TailGuard(
             self.params, block_size=config.block_size, kv_blocks_total=config.num_kv_blocks
         )

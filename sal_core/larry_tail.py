@@ -71,8 +71,10 @@ class TailParams:
     """``fcfs_due`` only, 0 = off: a request is due at the latest after ``cap`` times the
     largest recent FCFS-wait estimate (bounds the worst wait when its own estimate is
     stretched by `slack`)."""
-    margin_s: float = 0.25
-    """Seconds added to every due time (LARRY may reorder freely within them)."""
+    margin_s: float = 1.0
+    """Seconds added to every due time (LARRY may reorder freely within them). Longer
+    margins give more of LARRY's capacity and cost the max TTFT at light loads
+    (``docs/results/larry_tail.md``, ``docs/results/capacity.md``)."""
     headroom: float = 0.02
     """Fraction of the KV blocks a waiting request must leave free to be admitted while
     other requests run (0 disables)."""

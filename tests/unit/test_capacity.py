@@ -14,7 +14,9 @@ from bench.capacity_report import render, replicas_needed
 from bench.cli import main
 from bench.stacks import STACKS, Stack, engine_config, run_stack, stacks_by_name, tpot_s
 from engine_sim.results import RequestOutcome
+from engine_sim.schedulers import LarryTailScheduler, make_scheduler
 from engine_sim.trace import TraceRequest, gamma_arrivals
+from sal_core.larry_tail import TailParams
 
 
 def test_bisection_finds_a_threshold_within_the_tolerance_from_either_side() -> None:
@@ -49,6 +51,17 @@ def test_a_stack_is_one_line_of_engine_config_fields() -> None:
     assert (config.scheduler, config.alpha) == ("larry", 1.0)
     custom = Stack("sal+larry a=500", "sal", {"scheduler": "larry", "alpha": 500.0})
     assert engine_config(custom, "llama3-8b-a100").alpha == 500.0
+    # The tail guard's margin, as a deployment sets it in --additional-config.
+    for name, margin in (
+        ("sal+larry_tail", TailParams().margin_s),
+        ("sal+larry_tail margin 2 s", 2.0),
+    ):
+        config = engine_config(stacks_by_name([name])[0], "llama3-8b-a100")
+        scheduler = make_scheduler(config)
+        assert isinstance(scheduler, LarryTailScheduler)
+        assert scheduler.params.margin_s == margin
+    with pytest.raises(ValueError, match="tail_margin_s"):
+        engine_config(custom, "llama3-8b-a100", tail_margin_s=-1.0)
     with pytest.raises(KeyError, match="unknown stack"):
         stacks_by_name(["nope"])
 
@@ -97,7 +110,8 @@ def test_the_quick_command_writes_report_json_and_plot(
     monkeypatch.setattr(capacity, "QUICK", tiny)
     names = "p2c+fcfs,sal+fcfs"
     assert main(["capacity", "--quick", "--stacks", names, "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "capacity.json").read_text())
+    first = (tmp_path / "capacity.json").read_text()
+    data = json.loads(first)
     assert {r["stack"] for r in data["rows"]} == {"p2c+fcfs", "sal+fcfs"}
     assert {r["window"] for r in data["rows"]} == {0, 1, 2}
     md = (tmp_path / "capacity.md").read_text()
@@ -106,6 +120,22 @@ def test_the_quick_command_writes_report_json_and_plot(
     assert (tmp_path / "capacity.png").stat().st_size > 1000
     assert not (tmp_path / "capacity.partial.json").exists()
     assert render(data["rows"], data["meta"]) == md
+    # Another stack merged in: the others' rows stay, every stack in table order.
+    merged = "sal+larry_tail margin 2 s"
+    assert main(["capacity", "--quick", "--stacks", merged, "--merge", "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "capacity.json").read_text())
+    kept = [r for r in again["rows"] if r["stack"] != merged]
+    assert {json.dumps(r, sort_keys=True) for r in kept} >= {
+        json.dumps(r, sort_keys=True) for r in json.loads(first)["rows"] if r["stack"] == "sal+fcfs"
+    }
+    order = ["p2c+fcfs", *(s.name for s in STACKS if s.name != "p2c+fcfs")]
+    stacks = [r["stack"] for r in again["rows"]]
+    assert set(stacks) == {"p2c+fcfs", "sal+fcfs", merged}
+    assert [order.index(s) for s in stacks] == sorted(order.index(s) for s in stacks)
+    assert again["meta"]["wall_s"] > data["meta"]["wall_s"]
+    assert f"| {merged} |" in (tmp_path / "capacity.md").read_text()
+    # A full run cannot be merged into a quick one's results (it refuses before measuring).
+    assert main(["capacity", "--stacks", "sal+fcfs", "--merge", "--out", str(tmp_path)]) == 2
 
 
 def test_an_unknown_stack_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
