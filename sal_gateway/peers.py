@@ -16,7 +16,8 @@ What a gateway sends for each backend: its requests in flight there and the pref
 tokens it routed there that no snapshot it polled includes yet (`sal_gateway.state`), as
 absolute values (`sal_gateway.peer_wire`). What it adds to its own: every peer's latest
 values, for peers heard within `PeersConfig.expire_s`; a peer that died or lost its network
-stops counting then.
+stops counting then. A gateway restarted on the same address (a new sender id from the
+socket address an old one used) replaces the old one's counts at its first datagram.
 
 Trust: every datagram carries an HMAC tag under a secret all the gateways share (from the
 environment, `load_secret`); one without it is dropped and counted
@@ -124,6 +125,8 @@ class _Peer:
     """What one other gateway told us."""
 
     heard_s: float
+    addr: tuple[object, ...] = ()
+    """Where its datagrams come from (its socket's address)."""
     rows: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
     """Backend key -> (seq of the datagram that set it, in flight, tokens, KV tokens)."""
 
@@ -245,12 +248,16 @@ class PeerNetwork(asyncio.DatagramProtocol):
         now = self._clock()
         peer = self._peers.get(message.sender)
         if peer is None:
+            # A new sender from the address another one used is that gateway restarted (one
+            # socket, one process): its old counts go now, not after expire_s.
+            for old in [s for s, p in self._peers.items() if p.addr == tuple(addr)]:
+                del self._peers[old]
             if len(self._peers) >= MAX_PEERS:
                 self._forget(now)
                 if len(self._peers) >= MAX_PEERS:
                     self._on_datagram("too_many_peers")
                     return
-            peer = self._peers[message.sender] = _Peer(now)
+            peer = self._peers[message.sender] = _Peer(now, tuple(addr))
         stale = 0
         for row in message.rows:
             held = peer.rows.get(row.key)
