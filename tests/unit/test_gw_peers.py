@@ -264,20 +264,18 @@ async def test_strangers_and_replays_do_not_count() -> None:
 async def test_a_gateway_restarted_on_the_same_address_replaces_its_old_counts_at_once() -> None:
     clock = [0.0]
     pair = _Pair(clock)
-    async with pair as (_, b):
-        key = backend_key("m", "http://r1:8000")
-        port = b._sock.getsockname()[1]
-        out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            out.sendto(encode(SECRET, 7, 1, [PeerRow(key, 5, 500, 500)]), ("127.0.0.1", port))
-            other.sendto(encode(SECRET, 8, 1, [PeerRow(key, 1, 100, 100)]), ("127.0.0.1", port))
+    key = backend_key("m", "http://r1:8000")
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as first,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as second,
+    ):
+        async with pair as (_, b):
+            to_b = ("127.0.0.1", b._sock.getsockname()[1])
+            first.sendto(encode(SECRET, 7, 1, [PeerRow(key, 5, 500, 500)]), to_b)
+            second.sendto(encode(SECRET, 8, 1, [PeerRow(key, 1, 100, 100)]), to_b)
             await _until(lambda: b.others(key) == (6, 600, 600), 1.0)
             # Sender 7 restarts as sender 9 on the same socket address: its old 5 requests
             # are gone at once (not after expire_s), the other gateway's stay.
-            out.sendto(encode(SECRET, 9, 1, [PeerRow(key, 2, 0, 0)]), ("127.0.0.1", port))
+            first.sendto(encode(SECRET, 9, 1, [PeerRow(key, 2, 0, 0)]), to_b)
             await _until(lambda: b.others(key) == (3, 100, 100), 1.0)
             assert b.heard() == 2
-        finally:
-            out.close()
-            other.close()
