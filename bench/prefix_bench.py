@@ -135,6 +135,9 @@ SCENARIOS: tuple[Scenario, ...] = (
 )  # fmt: skip
 """The measured grid (loads chosen so P2C's p50 TTFT is ~1-10 s, `docs/results/prefix.md`)."""
 
+BLOCK_SIZE = 16
+"""The engines' KV block size (`simulate`'s default), for the TTFT bound."""
+
 CHAT_RATE_PER_S = 0.3
 """New conversations per second at load factor 1."""
 
@@ -350,8 +353,10 @@ def run_bound(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     for sc in SCENARIOS:
         for seed in seeds(ctx, sc):
             reqs = workload(ctx, sc, seed)
-            bounds = ttft_lower_bounds(reqs, get_profile(sc.profile))
-            cached = best_cached_tokens(reqs, 16)
+            cached = best_cached_tokens(reqs, BLOCK_SIZE)
+            bounds = ttft_lower_bounds(
+                reqs, get_profile(sc.profile), block_size=BLOCK_SIZE, cached_tokens=cached
+            )
             prompt = sum(r.prompt_tokens for r in reqs)
             rows.append(
                 {

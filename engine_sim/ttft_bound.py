@@ -87,13 +87,15 @@ def ttft_lower_bounds(
     *,
     block_size: int = 16,
     token_budget: int = 2048,
+    cached_tokens: Sequence[int] | None = None,
 ) -> list[float]:
     """Per request (in the order given), the TTFT bound of the module docstring.
 
     `block_size` and `token_budget` must be the engine's (the simulator's defaults: 16
-    and 2,048), or the bound is not one.
+    and 2,048), or the bound is not one. `cached_tokens`: `best_cached_tokens` of the same
+    requests and block size, when the caller has it already.
     """
-    cached = best_cached_tokens(requests, block_size)
+    cached = best_cached_tokens(requests, block_size) if cached_tokens is None else cached_tokens
     return [
         isolated_prefill_s(profile, r.prompt_tokens, c, token_budget)
         for r, c in zip(requests, cached, strict=True)
