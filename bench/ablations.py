@@ -1,7 +1,7 @@
 """Diagnostic routing variants for what-if runs of the simulator (never used by the gateway).
 
-`SalPositionTies` is SAL as the paper states it, with the plainest stable tie-break: among
-backends with the same SAL load, the earliest position wins. The product's SAL
+`SalPositionTies` is SAL with the plainest stable tie-break, the one the paper implies:
+among backends with the same SAL load, the earliest position wins. The product's SAL
 (`sal_core.policies.SAL`) breaks ties by fewest in-flight requests first. When every
 queue is empty and memory is plentiful, all SAL loads are equal (the queue term is just the
 request's own prompt), so the tie-break alone decides where work goes; this variant measures
@@ -31,6 +31,7 @@ class SalPositionTies(SAL):
                 b.queued_prefill_tokens,
                 b.max_num_batched_tokens,
                 request.beta,
+                num_running=b.num_running,
             )
             if best is None or (load, i) < best:
                 best = (load, i)

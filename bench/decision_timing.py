@@ -52,6 +52,7 @@ def make_snapshot(n_backends: int, seed: int = 0) -> list[BackendView]:
             free_kv_tokens=rng.randrange(0, 200_000),
             queued_prefill_tokens=rng.randrange(0, 50_000),
             max_num_batched_tokens=8192,
+            num_running=rng.randrange(0, 64),
         )
         for i in range(n_backends)
     ]

@@ -205,7 +205,7 @@ class SalCreditAll(SAL):
             BackendView(
                 b.url, b.eligible, b.in_flight, b.free_kv_tokens, b.queued_prefill_tokens,
                 b.max_num_batched_tokens, b.cached_tokens, b.cached_tokens, b.num_waiting,
-                b.kv_tokens_total, b.indexed_tokens,
+                b.kv_tokens_total, b.indexed_tokens, b.num_running,
             )
             for b in backends
         ]  # fmt: skip

@@ -312,6 +312,7 @@ class _RouterView:
             num_waiting=snap.num_waiting,
             kv_tokens_total=snap.kv_blocks_total * snap.block_size,
             indexed_tokens=cache.indexed_tokens,
+            num_running=snap.num_running,
         )
 
 

@@ -65,6 +65,9 @@ class BackendView:
     indexed_tokens: int = 0
     """Tokens the router's prefix index holds for this backend (its size; `cache_aware`
     sends a poor match to the smallest, as SGLang's router does; 0 when unknown)."""
+    num_running: int = 0
+    """Requests running (scheduled, holding KV) in the backend's engine at the last poll
+    (0 when unknown): `SAL`'s memory term divides by the rate they free memory at."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,24 @@ class Decision:
     score: float
 
 
+def memory_wait_steps(shortfall_tokens: float, beta: float, num_running: int) -> float:
+    """Engine steps until `shortfall_tokens` of KV memory free up on a server running
+    `num_running` requests (negative when none is missing): ``shortfall / (beta *
+    max(1, num_running))``.
+
+    The paper's reading of beta, made consistent with its formula's other term: each running
+    request produces one output token per step, and every output token frees beta tokens of
+    KV on average (a request of ``in + out`` tokens frees them all after ``out`` steps; beta
+    = ``(mean_in + mean_out) / mean_out``). So a server frees ``beta * running`` tokens per
+    step, in the same unit (steps) as the queue term's ``queued / budget``. The paper's Eq. 2
+    multiplies instead (``beta * shortfall``, `sal_load` with ``num_running=None``): as soon
+    as every server lacks memory, that term is thousands of steps wherever it is positive,
+    dwarfs every queue, and SAL sends each request to the server with the most free KV at the
+    last poll whatever queue waits there (measured: one of four replicas built a 3-minute
+    queue, `docs/gateway.md#memory-term`)."""
+    return shortfall_tokens / (beta * (num_running if num_running > 1 else 1))
+
+
 def sal_load(
     prompt_tokens: int,
     free_kv_tokens: int,
@@ -100,18 +121,26 @@ def sal_load(
     cached_held_tokens: int = 0,
     in_flight: int = 0,
     best_cached_tokens: int = 0,
+    num_running: int | None = None,
 ) -> float:
-    """SAL's expected wait of a request on one server (Kossmann et al.), lower is better.
+    """SAL's expected wait of a request on one server, in engine steps; lower is better.
 
-    ``max(beta * (memory(r) - free_mem(s)), queued_tokens(s, r) / max_tokens_per_batch(s))``
-    where ``queued_tokens(s, r)`` includes the request's own prompt tokens. With a prefix
-    cache, the request's own tokens are its *uncached* ones (``prompt - cached``) in the
-    queue term, plus the wait it imposes on the server's other requests by prefilling
-    tokens another server holds cached: ``in_flight * (best_cached - cached)`` (see `SAL`);
-    its memory is ``prompt - cached_held`` (only blocks a running request holds are free of
-    charge). Every cached argument 0: the paper's Eq. 2.
+    ``max(memory_term, queued_tokens(s, r) / max_tokens_per_batch(s))`` where
+    ``queued_tokens(s, r)`` includes the request's own prompt tokens. The memory term is
+    `memory_wait_steps` of the request's missing KV (``memory(r) - free_mem(s)``) on a server
+    running `num_running` requests; with `num_running` None it is the paper's literal
+    ``beta * (memory(r) - free_mem(s))`` (Kossmann et al., Eq. 2). With a prefix cache, the
+    request's own tokens are its *uncached* ones (``prompt - cached``) in the queue term,
+    plus the wait it imposes on the server's other requests by prefilling tokens another
+    server holds cached: ``in_flight * (best_cached - cached)`` (see `SAL`); its memory is
+    ``prompt - cached_held`` (only blocks a running request holds are free of charge). Every
+    cached argument 0 and `num_running` None: the paper's Eq. 2.
     """
-    memory_term = beta * (prompt_tokens - cached_held_tokens - free_kv_tokens)
+    shortfall = prompt_tokens - cached_held_tokens - free_kv_tokens
+    if num_running is None:
+        memory_term = beta * shortfall
+    else:
+        memory_term = memory_wait_steps(shortfall, beta, num_running)
     avoidable = best_cached_tokens - cached_tokens if best_cached_tokens > cached_tokens else 0
     queue_term = (
         queued_prefill_tokens + prompt_tokens - cached_tokens + in_flight * avoidable
@@ -173,14 +202,18 @@ class SAL(Policy):
     """Server-Aware Load balancing: argmin of `sal_load` over eligible backends, with what
     each backend holds of the prompt in its prefix cache (`BackendView.cached_tokens`):
 
-    ``max(beta * (prompt - held - free_kv), (queued + prompt - cached + in_flight * (cmax -
-    cached)) / budget)`` with ``cmax`` the most any eligible backend holds.
+    ``max((prompt - held - free_kv) / (beta * running), (queued + prompt - cached +
+    in_flight * (cmax - cached)) / budget)`` with ``cmax`` the most any eligible backend
+    holds and ``running`` its `BackendView.num_running` (at least 1).
 
-    Cached tokens need no prefill (queue term); only those in blocks a running request holds
-    need no new KV (memory term: vLLM counts unheld cached blocks as free, so reusing them
-    still consumes free KV). A match shorter than ``settings.min_match_tokens`` counts as
-    none (`PolicySettings`). With no cache source every cached field is 0 and this is the
-    paper's Eq. 2 exactly.
+    Both terms are engine steps. The memory term is the paper's, with beta read as the rate
+    the paper's prose gives it (`memory_wait_steps`): the paper's formula multiplies by beta,
+    which made the term dominate every queue whenever KV memory was short everywhere
+    (`PaperSAL` keeps it). Cached tokens need no prefill (queue term); only those in blocks a
+    running request holds need no new KV (memory term: vLLM counts unheld cached blocks as
+    free, so reusing them still consumes free KV). A match shorter than
+    ``settings.min_match_tokens`` counts as none (`PolicySettings`). With no cache source
+    every cached field is 0.
 
     The ``in_flight * (cmax - cached)`` term is the wait the request imposes on others: on a
     backend that holds less of its prompt than the best one does, it prefills ``cmax -
@@ -204,6 +237,8 @@ class SAL(Policy):
     """
 
     name = "sal"
+    literal_memory_term: ClassVar[bool] = False
+    """True: the paper's ``beta * shortfall`` memory term (`PaperSAL`)."""
 
     def select(self, request: RouteRequest, backends: Sequence[BackendView]) -> Decision:
         # `sal_load` inlined into one pass: this runs once per request over the whole pool
@@ -218,6 +253,7 @@ class SAL(Policy):
         best_i = -1
         best = math.inf
         best_in_flight = 0
+        literal = self.literal_memory_term
         for i, b in enumerate(backends):
             if not b.eligible:
                 continue
@@ -226,7 +262,11 @@ class SAL(Policy):
                 held = b.cached_held_tokens
             else:
                 cached = held = 0
-            memory_term = beta * (prompt - held - b.free_kv_tokens)
+            if literal:
+                memory_term = beta * (prompt - held - b.free_kv_tokens)
+            else:
+                running = b.num_running if b.num_running > 1 else 1
+                memory_term = (prompt - held - b.free_kv_tokens) / (beta * running)
             budget = b.max_num_batched_tokens if b.max_num_batched_tokens > 1 else 1
             queue_term = (
                 b.queued_prefill_tokens + prompt - cached + b.in_flight * (cmax - cached)
@@ -264,6 +304,7 @@ class SAL(Policy):
                 cached_held_tokens=held,
                 in_flight=b.in_flight,
                 best_cached_tokens=cmax,
+                num_running=None if self.literal_memory_term else b.num_running,
             )
             out.append((i, load))
         return out
@@ -271,9 +312,11 @@ class SAL(Policy):
 
 class PaperSAL(SAL):
     """The paper's Eq. 2 taken literally: every prompt token counts as work and memory on
-    every backend, whatever it has cached (kept for comparison with cache-aware `SAL`)."""
+    every backend, whatever it has cached, and the memory term is ``beta * (prompt -
+    free_kv)`` (kept for comparison with `SAL`)."""
 
     name = "sal_paper"
+    literal_memory_term = True
 
     def select(self, request: RouteRequest, backends: Sequence[BackendView]) -> Decision:
         if any(b.cached_tokens or b.cached_held_tokens for b in backends):

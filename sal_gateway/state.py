@@ -250,6 +250,7 @@ class BackendState:
             max_num_batched_tokens=self.max_num_batched_tokens(),
             num_waiting=0 if stats is None else stats.num_waiting,
             kv_tokens_total=0 if stats is None else stats.kv_blocks_total * stats.block_size,
+            num_running=0 if stats is None else stats.num_running,
         )
 
     def acknowledge_before(self, cutoff_s: float) -> None:

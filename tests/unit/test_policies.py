@@ -19,6 +19,7 @@ from sal_core.policies import (
     PolicySettings,
     RouteRequest,
     make_policy,
+    memory_wait_steps,
     sal_load,
 )
 
@@ -38,6 +39,7 @@ def backend_st(draw: st.DrawFn) -> BackendView:
         num_waiting=draw(st.integers(0, 300)),
         kv_tokens_total=draw(st.integers(0, 400_000)),
         indexed_tokens=draw(st.integers(0, 400_000)),
+        num_running=draw(st.integers(0, 300)),
     )
 
 
@@ -134,6 +136,40 @@ def test_sal_load_matches_the_paper_formula() -> None:
     assert sal_load(1_000, 9_000, 3_000, 1_000, 2.0) == pytest.approx(4.0)
 
 
+def test_sal_memory_term_is_steps_until_the_running_requests_free_the_shortfall() -> None:
+    # 600 tokens missing; 3 running requests free beta = 2 tokens each per step: 100 steps.
+    assert sal_load(1_000, 400, 2_000, 1_000, 2.0, num_running=3) == pytest.approx(100.0)
+    # Nothing running: as if one were (the prompt does not fit an empty server either).
+    assert sal_load(1_000, 400, 0, 1_000, 2.0, num_running=0) == pytest.approx(300.0)
+    assert memory_wait_steps(-50, 2.0, 5) < 0  # it fits: the queue term decides
+
+
+def _saturated(queued: int, free: int, in_flight: int, waiting: int) -> BackendView:
+    return BackendView(
+        f"http://q{queued}", True, in_flight, free, queued, 2048,
+        num_waiting=waiting, num_running=in_flight - waiting,
+    )  # fmt: skip
+
+
+def test_sal_sends_a_memory_short_fleet_s_request_to_the_short_queue() -> None:
+    # Four replicas of a simulated 40 GB fleet past saturation (`sal-bench prefix`,
+    # chat-short-40gb-sat, seed 0, t = 140 s): KV is short everywhere. The paper's term
+    # (beta * shortfall, ~10^5 here) dwarfs every queue and picks the replica with the most
+    # free KV at the last poll, whatever waits there: 209k queued tokens, against 55k.
+    pool = [
+        _saturated(queued=55_140, free=6_608, in_flight=26, waiting=7),
+        _saturated(queued=208_858, free=8_032, in_flight=39, waiting=25),
+        _saturated(queued=431_213, free=1_712, in_flight=45, waiting=33),
+        _saturated(queued=94_504, free=6_800, in_flight=29, waiting=13),
+    ]
+    request = RouteRequest(prompt_tokens=13_945, beta=14.8)
+    assert make_policy("sal_paper").select(request, pool).index == 1
+    decision = make_policy("sal").select(request, pool)
+    assert decision.index == 0
+    # Its wait there is its queue: (55,140 + 13,945) / 2,048 steps.
+    assert decision.score == pytest.approx((55_140 + 13_945) / 2048)
+
+
 def test_sal_ties_go_to_fewer_in_flight_then_the_first_backend() -> None:
     # Idle fleet: equal loads. Decode work must not pile up on the first backend.
     pool = [_view(0, in_flight=3), _view(1, in_flight=1), _view(2, in_flight=1)]
@@ -197,6 +233,7 @@ def test_sal_select_is_the_argmin_of_sal_load(
             cached_held_tokens=counted(pool[i])[1],
             in_flight=pool[i].in_flight,
             best_cached_tokens=cmax,
+            num_running=pool[i].num_running,
         )
         for i in eligible
     }
@@ -237,10 +274,11 @@ def test_sal_counts_only_uncached_prompt_tokens_as_prefill_work() -> None:
 def test_sal_credits_only_held_cached_blocks_in_the_memory_term() -> None:
     # Free KV is short on both; b's cached prefix is evictable (unheld): it still consumes
     # free KV, so the memory term is the same as without the cache.
-    unheld = _cache_view("b", free_kv_tokens=1_000, cached_tokens=3_000)
+    unheld = _cache_view("b", free_kv_tokens=1_000, cached_tokens=3_000, num_running=5)
     request = RouteRequest(prompt_tokens=4_000, beta=2.0)
-    assert make_policy("sal").select(request, [unheld]).score == pytest.approx(2.0 * 3_000)
-    held = _cache_view("b", free_kv_tokens=1_000, cached_tokens=3_000, cached_held_tokens=3_000)
+    # 3,000 tokens missing, freed at beta * 5 running = 10 tokens per step.
+    assert make_policy("sal").select(request, [unheld]).score == pytest.approx(3_000 / 10)
+    held = replace(unheld, cached_held_tokens=3_000)
     # Held blocks need no new KV: 1,000 new tokens fit in 1,000 free -> the queue term rules.
     assert make_policy("sal").select(request, [held]).score == pytest.approx(1.0)
 

@@ -36,8 +36,9 @@ def test_a_fixed_beta_overrides_the_estimate_and_memory_bound_decisions_are_coun
     ]
     request = RouteRequest(prompt_tokens=1000, beta=500.0)
     low, high = BetaProbe(0.01), BetaProbe(None)
-    assert low.select(request, pool).index == 0  # 0.01 * 100 < 20,000 / 2048
-    assert high.select(request, pool).index == 1  # the request's own beta: 500 * 100
+    # 100 tokens missing on a; nothing runs there: freed at beta tokens per step.
+    assert low.select(request, pool).index == 1  # 100 / 0.01 > 21,000 / 2048
+    assert high.select(request, pool).index == 0  # the request's own beta: 100 / 500
     assert (low.decisions, low.memory_bound) == (1, 1)
 
 
