@@ -212,6 +212,29 @@ class SalCreditAll(SAL):
         return super().select(request, views)
 
 
+class SalPaperMemory(SAL):
+    """What-if (never used by the gateway): cache-aware SAL with the paper's literal memory
+    term, ``beta * (prompt - held - free_kv)``, instead of the steps until the running
+    requests free the shortfall (`sal_core.policies.memory_wait_steps`): `sal` as it was
+    before that change, to measure what it changed in one run."""
+
+    name = "sal_paper_memory"
+    literal_memory_term = True
+
+
+WHAT_IFS: dict[str, type[SAL]] = {
+    SalCreditAll.name: SalCreditAll,
+    SalPaperMemory.name: SalPaperMemory,
+}
+"""What-if routers by name: `run_one` runs them as cache-aware ``sal`` with their policy."""
+
+PAPER_MEMORY_SCENARIOS = (
+    "chat-short-80gb", "chat-short-40gb", "chat-short-40gb-sat", "chat-long-40gb",
+    "conversation-40gb-sat",
+)  # fmt: skip
+"""Where the what-if `SalPaperMemory` runs beside ``sal``: KV short (40 GB) or not (80 GB)."""
+
+
 def run_one(
     requests: Sequence[TraceRequest],
     profile: str,
@@ -222,7 +245,7 @@ def run_one(
     source: str | None = None,
 ) -> tuple[SimResult, float]:
     """One simulation; `source` None: approximate for prefix-aware routers, else none."""
-    what_if: Policy | None = SalCreditAll() if router == SalCreditAll.name else None
+    what_if: Policy | None = WHAT_IFS[router]() if router in WHAT_IFS else None
     if source is None:
         aware = router in PREFIX_AWARE_POLICIES or what_if is not None
         source = "approximate" if aware else "none"
@@ -309,32 +332,52 @@ def run_accuracy(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     return rows
 
 
-def run_credit_all(ctx: Context, log: Callable[[str], None]) -> list[Row]:
-    """Preemptions of SAL crediting only held blocks vs crediting every cached token."""
+def _beside(
+    ctx: Context,
+    log: Callable[[str], None],
+    tag: str,
+    scenarios: Sequence[str],
+    routers: Sequence[str],
+    key: str,
+) -> list[Row]:
+    """`routers` on every seed of `scenarios` (fcfs engines), one row each, logging `key`."""
     rows: list[Row] = []
     for sc in SCENARIOS:
-        if sc.name not in ("conversation-40gb-sat", "chat-long-40gb", "chat-short-40gb-sat"):
+        if sc.name not in scenarios:
             continue
         for seed in seeds(ctx, sc):
             reqs = workload(ctx, sc, seed)
-            for router in ("sal", SalCreditAll.name, "sal_paper"):
+            for router in routers:
                 result, wall = run_one(reqs, sc.profile, sc.replicas, router, "fcfs", seed)
                 rows.append(
                     row_of(result, scenario=sc.name, router=router, engine="fcfs", seed=seed)
                 )
-                log(f"credit-all {sc.name} seed {seed} {router:15s} {wall:5.1f}s "
-                    f"preempt {rows[-1]['preemptions_per_100']:.2f}")  # fmt: skip
+                log(f"{tag} {sc.name} seed {seed} {router:16s} {wall:5.1f}s "
+                    f"{key} {rows[-1][key]:.2f}")  # fmt: skip
     return rows
 
 
+def run_credit_all(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """Preemptions of SAL crediting only held blocks vs crediting every cached token."""
+    scenarios = ("conversation-40gb-sat", "chat-long-40gb", "chat-short-40gb-sat")
+    routers = ("sal", SalCreditAll.name, "sal_paper")
+    return _beside(ctx, log, "credit-all", scenarios, routers, "preemptions_per_100")
+
+
+def run_paper_memory(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """SAL beside the what-if with the paper's literal memory term (`SalPaperMemory`)."""
+    routers = ("sal", SalPaperMemory.name)
+    return _beside(ctx, log, "paper-memory", PAPER_MEMORY_SCENARIOS, routers, "ttft_p99_s")
+
+
 def run_azure(ctx: Context, log: Callable[[str], None]) -> list[Row]:
-    """No reuse at all: cache-aware SAL with an index must route exactly as the paper's."""
+    """No reuse at all: SAL with the router's prefix index must route exactly as without."""
     reqs = load_azure_csv(
         ctx.data / AZURE_CHAT, context_limit_tokens=8192, duration_s=60 if ctx.quick else 300
     )
     reqs = scale_load(reqs, 0.505 * 4)
     rows = []
-    for router, source in (("sal", "approximate"), ("sal_paper", "none")):
+    for router, source in (("sal", "approximate"), ("sal", "none")):
         result, wall = run_one(reqs, "llama3-8b-a100", 4, router, "fcfs", 0, source)
         row = row_of(
             result, scenario="azure-chat", router=router, engine="fcfs", seed=0, source=source
@@ -389,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
         "accuracy",
         "azure",
         "credit-all",
+        "paper-memory",
         "bound",
     }
     only = set(args.only) if args.only else known
@@ -416,6 +460,7 @@ def run(args: argparse.Namespace) -> int:
         ("hot-prefix", run_hot_prefix),
         ("accuracy", run_accuracy),
         ("credit-all", run_credit_all),
+        ("paper-memory", run_paper_memory),
         ("azure", run_azure),
         ("bound", run_bound),
     ):

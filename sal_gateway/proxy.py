@@ -252,7 +252,7 @@ class Forwarder:
             view = views[decision.index]
             logger.debug(
                 "route model=%s prompt_tokens=%d -> %s score=%.4g (free_kv=%d queued=%d "
-                "in_flight=%d beta=%.3g cached=%d held=%d)",
+                "in_flight=%d running=%d beta=%.3g cached=%d held=%d)",
                 model,
                 prompt_tokens,
                 decision.url,
@@ -260,6 +260,7 @@ class Forwarder:
                 view.free_kv_tokens,
                 view.queued_prefill_tokens,
                 view.in_flight,
+                view.num_running,
                 beta,
                 view.cached_tokens,
                 view.cached_held_tokens,

@@ -57,13 +57,16 @@ def test_good_poll_makes_eligible_until_stale() -> None:
 def test_routing_accounts_tokens_until_a_snapshot_written_after_them_arrives() -> None:
     clock = FakeClock(0.0)
     table = _table(clock)
-    stats = dataclasses.replace(default_stats(), free_kv_tokens=1000, queued_prefill_tokens=50)
+    stats = dataclasses.replace(
+        default_stats(), free_kv_tokens=1000, queued_prefill_tokens=50, num_running=7
+    )
     table.record_poll_success("m", A, stats, "stats", now_s=0.0)
     clock.now_s = 0.05
     t1 = table.route("m", A, 300)
     t2 = table.route("m", A, 900)
     view = table.views("m", 0.1)[0]
     assert view.in_flight == 2
+    assert view.num_running == 7  # as polled: SAL's memory term divides by it
     assert view.queued_prefill_tokens == 50 + 300 + 900
     assert view.free_kv_tokens == 0  # floored, never negative
     # A poll read live after both requests (and their transit) replaces both numbers: the

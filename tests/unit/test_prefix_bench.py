@@ -7,6 +7,7 @@ import itertools
 from bench import prefix_bench as pb
 from bench.prefix_real import RunResult, build_parser, report
 from bench.prefix_workload import SYSTEM_TOKENS, make_workload
+from sal_core.policies import BackendView, RouteRequest, make_policy
 from tests.conftest import DATA_DIR
 
 
@@ -55,3 +56,15 @@ def test_mooncake_conversation_windows_are_18_disjoint_full_windows_spread_over_
     assert min(sizes) > 100, sizes
     assert starts[-1] + sc.window_s > 3_000  # the last window samples the trace's end
     assert len(pb.seeds(pb.Context(data=DATA_DIR, quick=True), sc)) == 1
+
+
+def test_the_paper_memory_what_if_routes_with_beta_times_the_shortfall() -> None:
+    # KV short on both; b has more free KV but a far longer queue. `sal` (steps) takes a;
+    # the what-if (the paper's beta * shortfall, `sal` before the change) takes b.
+    pool = [
+        BackendView("a", True, 20, 5_000, 50_000, 2048, num_waiting=5, num_running=15),
+        BackendView("b", True, 40, 8_000, 400_000, 2048, num_waiting=30, num_running=10),
+    ]
+    request = RouteRequest(prompt_tokens=14_000, beta=15.0)
+    assert make_policy("sal").select(request, pool).url == "a"
+    assert pb.SalPaperMemory().select(request, pool).url == "b"

@@ -119,3 +119,25 @@ def test_the_bound_says_how_much_any_router_could_gain_over_the_best_baseline(
     assert (
         "| s | 74% / 50% / 45% | 0.80 | 1.25x (1.25-1.25x) | 1.62x (1.50-1.75x) (llm_d) |" in text
     )
+
+
+def test_the_paper_memory_what_if_is_reported_beside_sal_per_scenario(tmp_path: Path) -> None:
+    # SAL twice as fast as the what-if with the paper's memory term on both seeds.
+    pairs = (("sal", 1.0), ("sal_paper_memory", 2.0))
+    rows = [_row(r, s, p * (1 + s)) for s in range(2) for r, p in pairs]
+    grid = [_row(r, 0, 1.0) for r in ("sal", "sal_paper", "llm_d")]
+    doc = _doc(grid, "reuse does not survive")
+    doc["results"]["paper-memory"] = rows
+    found = [a for a in aims(doc) if a[1].startswith("memory term in steps")]
+    assert [(a[0], a[2]) for a in found] == [
+        (
+            "s / fcfs",
+            "p50 2.00x (per seed 2.00-2.00x, better on 2 of 2); "
+            "p95 2.00x (per seed 2.00-2.00x, better on 2 of 2); "
+            "p99 2.00x (per seed 2.00-2.00x, better on 2 of 2)",
+        )
+    ]
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert "## What-if: the paper's memory term" in text
+    assert "| fcfs | sal_paper_memory | 3.00 (2.00-4.00) |" in text
