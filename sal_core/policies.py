@@ -106,7 +106,7 @@ def memory_wait_steps(shortfall_tokens: float, beta: float, num_running: int) ->
     as every server lacks memory, that term is thousands of steps wherever it is positive,
     dwarfs every queue, and SAL sends each request to the server with the most free KV at the
     last poll whatever queue waits there (measured: one of four replicas built a 3-minute
-    queue, `docs/gateway.md#memory-term`)."""
+    queue, `docs/gateway.md#sals-memory-term`)."""
     return shortfall_tokens / (beta * (num_running if num_running > 1 else 1))
 
 
