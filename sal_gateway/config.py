@@ -188,7 +188,7 @@ class RoutingConfig:
     prefix_cache: str = "approximate"
     """What the gateway knows of each replica's prefix cache, for cache-aware policies
     (`sal` counts only the prompt tokens a replica does not hold): ``off`` (nothing: SAL is
-    the paper's Eq. 2), ``approximate`` (an index of the prompt blocks the gateway routed to
+    Eq. 2 blind to caches), ``approximate`` (an index of the prompt blocks the gateway routed to
     each replica, LRU-bounded by its KV capacity from ``/stats``), ``kv_events`` (the same,
     corrected by vLLM's own KV-cache events; needs the ``kv-events`` extra and replicas
     started with ``--kv-events-config``). Replicas whose ``/stats`` does not report prefix

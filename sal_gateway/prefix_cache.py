@@ -13,7 +13,7 @@ Pure bookkeeping on the main event loop (no I/O): one `PrefixTracker` per gatewa
 * in ``kv_events`` mode, vLLM's own KV-cache events (`kv_events`): stored blocks refresh or
   enter the entry, removed blocks leave it, a cleared cache empties it (`apply`).
 
-Modes: ``off`` (no tracker; every cached field 0: SAL is the paper's Eq. 2), ``approximate``
+Modes: ``off`` (no tracker; every cached field 0: SAL is Eq. 2 blind to caches), ``approximate``
 (the index of what the gateway routed, evicted by capacity LRU), ``kv_events`` (the same,
 corrected by the engine's evictions and filled by other gateways' traffic).
 
