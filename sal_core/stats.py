@@ -103,12 +103,23 @@ _OPTIONAL_INT_FIELDS = (
 """Added in minor versions: absent means 0."""
 
 
+MAX_INT = 2**53
+"""The largest integer a `/stats` count may have: every count an engine has is far below it,
+and up to it a float holds it exactly. Larger ones (JSON integers have no bound) would make
+the routing arithmetic, which mixes them with floats, raise OverflowError on the request
+path; a replica that sends one fails its poll instead."""
+
+
 def _int_field(obj: dict[str, Any], name: str) -> int:
     value = obj.get(name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise StatsSchemaError(f"/stats field {name!r} must be an integer, got {value!r}")
     if value < 0:
         raise StatsSchemaError(f"/stats field {name!r} must be >= 0, got {value}")
+    if value > MAX_INT:
+        raise StatsSchemaError(
+            f"/stats field {name!r} must be <= 2**53, got {len(str(value))} digits"
+        )
     return value
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from sal_core.policies import BackendView, RouteRequest, make_policy
 from sal_core.stats import ReplicaStats, StatsSchemaError, parse_stats
 
 
@@ -79,11 +80,23 @@ def test_unknown_fields_are_ignored_and_minor_versions_accepted() -> None:
         ({"prefix_hash_algo": 7}, "'prefix_hash_algo' must be a short string or null"),
         ({"prefix_hash_algo": "x" * 1000}, "'prefix_hash_algo' must be a short string"),
         ({"cached_prefill_tokens": -3}, "'cached_prefill_tokens' must be >= 0"),
+        # Unbounded JSON integers would overflow SAL's float arithmetic on the request path.
+        ({"free_kv_tokens": 10**400}, r"'free_kv_tokens' must be <= 2\*\*53, got 401 digits"),
+        ({"num_running": 2**53 + 1}, r"'num_running' must be <= 2\*\*53"),
+        ({"queued_prefill_tokens": 10**30}, r"'queued_prefill_tokens' must be <= 2\*\*53"),
     ],
 )
 def test_bad_bodies_are_rejected_naming_the_field(patch: dict[str, object], message: str) -> None:
     with pytest.raises(StatsSchemaError, match=message):
         parse_stats({**_sample().to_dict(), **patch})
+
+
+def test_the_largest_accepted_counts_route_without_overflow() -> None:
+    # At the bound every SAL term is a finite float: the request path cannot raise.
+    big = parse_stats({**_sample().to_dict(), "free_kv_tokens": 2**53, "num_running": 2**53})
+    view = BackendView("a", True, 1, big.free_kv_tokens, 2**53, 2048, num_running=big.num_running)
+    for name in ("sal", "sal_paper"):
+        assert make_policy(name).select(RouteRequest(1_000, beta=50.0), [view]).index == 0
 
 
 def test_missing_field_is_named() -> None:
