@@ -24,7 +24,8 @@ P50_AIM = 2.0
 LIGHT_SHARE_AIM = 0.70
 HEAVY_P50_S = 1.0
 CANDIDATES = (
-    "larry_tail", "larry_tail margin 0.25 s", "larry_tail margin 2 s", "larry", "fcfs+headroom",
+    "larry_tail", "larry_tail margin 0.25 s", "larry_tail margin 1.5 s", "larry_tail margin 2 s",
+    "larry", "fcfs+headroom",
     "tgi", "hindsight deadline (what-if)",
 )  # fmt: skip
 """Schedulers whose aims are tabled (in this order, when present)."""

@@ -90,6 +90,12 @@ VARIANTS: tuple[Variant, ...] = (
         "max at light loads, less capacity)",
     ),
     Variant(
+        "larry_tail margin 1.5 s",
+        _tail(margin_s=1.5),
+        "the same with a 1.5 s margin (between the default and the capacity option: already "
+        "the 2 s margin's tail)",
+    ),
+    Variant(
         "larry_tail margin 2 s",
         _tail(margin_s=2.0),
         "the same with a 2 s margin (paper LARRY's capacity at SLO, a worse max at light loads)",
