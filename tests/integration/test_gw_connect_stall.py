@@ -57,7 +57,7 @@ class ConnectStalls:
 
 @contextmanager
 def _stall_rig(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, poll_interval_s: float = 2.0
 ) -> Iterator[tuple[str, FakeBackend, str, ConnectStalls]]:
     stalls = ConnectStalls()
     # Before the app exists: its lifespan builds the upstream session with this hook.
@@ -68,7 +68,7 @@ def _stall_rig(
         # have had nowhere else to go (502), and the next ones none until a poll (503).
         config = gateway_config(
             [backend_url],
-            routing={"poll_interval_s": 2.0, "stale_after_s": 30.0},
+            routing={"poll_interval_s": poll_interval_s, "stale_after_s": 120.0},
             proxy={"connect_timeout_s": CONNECT_TIMEOUT_S},
             extra={"models": [{"models_refresh_s": 3600.0}]},
         )
@@ -105,7 +105,10 @@ def test_a_stall_on_the_retry_too_counts_against_the_backend(
 ) -> None:
     # Forgiven once per request: a loop that stalls at every connect cannot keep a backend
     # that never answers a candidate for ever; the second timeout is the backend's.
-    with _stall_rig(monkeypatch) as (url, backend, backend_url, stalls):
+    # A good poll lifts the suspect mark (the backend answers again), and after a 2.5 s stall
+    # the poll timer is overdue: polled every 2 s, a poll could land between the 502 and the
+    # scrape (it did on a loaded CI machine). Polled once a minute, none lands in this test.
+    with _stall_rig(monkeypatch, poll_interval_s=60.0) as (url, backend, backend_url, stalls):
         stalls.armed = 2
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         failed = httpx.post(f"{url}/v1/completions", json=body, timeout=30.0)
