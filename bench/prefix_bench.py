@@ -6,12 +6,14 @@ Every scenario replays a workload with prefix structure (`engine_sim.workloads`)
 fleet of engine models with vLLM's prefix caching on, once per router x engine scheduler x
 seed; prefix-aware routers read the router's approximate index (`engine_sim.router_cache`),
 the others see no cache. Then the checks: the hot-prefix "death spiral", the approximate
-index against the oracle (vLLM KV events), the memory-term what-if, the Azure trace (no
-reuse: cache-aware SAL must equal the paper's SAL), and the TTFT no router could beat on
-each scenario (`engine_sim.ttft_bound`; ``--only bound`` adds it to an existing
-``prefix.json`` in seconds). Writes ``prefix.json`` (every run) and ``prefix.md``
-(`bench.prefix_report`) to ``--out``; the whole command runs under ``nice -n 19`` in about
-15-25 minutes on a busy 2-core machine (``--quick``: a few minutes, one seed, quarter windows).
+index against the oracle (vLLM KV events), the memory-term what-if, ``routing.decode_reserve``
+0.5 and 1.0 beside 0, the Azure trace (no reuse: cache-aware SAL must equal the paper's SAL),
+and the TTFT no router could beat on each scenario (`engine_sim.ttft_bound`; ``--only
+bound`` adds it to an existing ``prefix.json`` in seconds). Writes ``prefix.json`` (every
+run) and ``prefix.md`` (`bench.prefix_report`) to ``--out``; the whole command runs under
+``nice -n 19`` in about an hour on a busy 2-core machine (``--only`` runs a part and keeps
+the rest of an existing ``prefix.json``; ``--quick``: a few minutes, one seed, quarter
+windows).
 
 Windows: the Mooncake conversation trace, 18 windows of `Scenario.window_s` (60) trace
 seconds starting every 200 s (0 to 3,400 s: spread evenly over the 3,537-s trace), scaled by the
@@ -60,6 +62,7 @@ from sal_core.policies import (
     BackendView,
     Decision,
     Policy,
+    PolicySettings,
     RouteRequest,
 )
 
@@ -224,9 +227,30 @@ class SalPaperMemory(SAL):
     literal_memory_term = True
 
 
+class SalReserve(SAL):
+    """Cache-aware SAL with ``routing.decode_reserve`` = 1.0: each running request's KV
+    counts a mean output more than it holds now (`PolicySettings.decode_reserve`)."""
+
+    name = "sal_reserve_1"
+
+    def __init__(self, seed: int | None = None, settings: PolicySettings | None = None) -> None:
+        super().__init__(seed, settings or PolicySettings(decode_reserve=1.0))
+
+
+class SalReserveHalf(SalReserve):
+    """As `SalReserve` with ``routing.decode_reserve`` = 0.5 (half a mean output)."""
+
+    name = "sal_reserve_0.5"
+
+    def __init__(self, seed: int | None = None, settings: PolicySettings | None = None) -> None:
+        super().__init__(seed, settings or PolicySettings(decode_reserve=0.5))
+
+
 WHAT_IFS: dict[str, type[SAL]] = {
     SalCreditAll.name: SalCreditAll,
     SalPaperMemory.name: SalPaperMemory,
+    SalReserve.name: SalReserve,
+    SalReserveHalf.name: SalReserveHalf,
 }
 """What-if routers by name: `run_one` runs them as cache-aware ``sal`` with their policy."""
 
@@ -372,6 +396,14 @@ def run_paper_memory(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     return _beside(ctx, log, "paper-memory", PAPER_MEMORY_SCENARIOS, routers, "ttft_p99_s")
 
 
+def run_decode_reserve(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """SAL beside ``routing.decode_reserve`` 0.5 and 1.0 (`SalReserveHalf`, `SalReserve`)."""
+    routers = ("sal", SalReserveHalf.name, SalReserve.name)
+    return _beside(
+        ctx, log, "decode-reserve", PAPER_MEMORY_SCENARIOS, routers, "preemptions_per_100"
+    )
+
+
 def run_azure(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     """No reuse at all: SAL with the router's prefix index must route exactly as without."""
     reqs = load_azure_csv(
@@ -435,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
         "azure",
         "credit-all",
         "paper-memory",
+        "decode-reserve",
         "bound",
     }
     only = set(args.only) if args.only else known
@@ -463,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
         ("accuracy", run_accuracy),
         ("credit-all", run_credit_all),
         ("paper-memory", run_paper_memory),
+        ("decode-reserve", run_decode_reserve),
         ("azure", run_azure),
         ("bound", run_bound),
     ):

@@ -24,6 +24,8 @@ METRICS = (
     ("busiest share", "busiest_share", "{:.2f}"),
 )
 BASELINES = ("prefix_affinity", "llm_d", "cache_aware")
+RESERVE_ROUTERS = ("sal_reserve_0.5", "sal_reserve_1")
+"""The ``routing.decode_reserve`` what-ifs of `bench.prefix_bench.run_decode_reserve`."""
 
 
 def spread(rows: Sequence[Row], key: str) -> tuple[float, float, float]:
@@ -256,6 +258,23 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
             out.append((f"{name} / fcfs", "memory term in steps vs the paper's beta * shortfall "
                         "(what-if: sal before the change; > 1: the change is better)",
                         "; ".join(cells), "reported"))  # fmt: skip
+    reserve = doc["results"].get("decode-reserve")
+    if reserve:
+        for name in dict.fromkeys(r["scenario"] for r in reserve):
+            rows = [r for r in reserve if r["scenario"] == name]
+            base = spread(_group(rows, "sal", "fcfs"), "preemptions_per_100")[0]
+            cells = [f"preemptions/100 {base:.2f}"]
+            for what_if in RESERVE_ROUTERS:
+                preempt = spread(_group(rows, what_if, "fcfs"), "preemptions_per_100")[0]
+                p50, _ = ratio(rows, what_if, "sal", "fcfs", "ttft_p50_s")
+                p99, _ = ratio(rows, what_if, "sal", "fcfs", "ttft_p99_s")
+                cells.append(
+                    f"{what_if.removeprefix('sal_reserve_')}: {preempt:.2f}, p50 {p50:.2f}x, "
+                    f"p99 {p99:.2f}x"
+                )
+            out.append((f"{name} / fcfs", "routing.decode_reserve 0.5 and 1.0 against 0 (the "
+                        "default): preemptions per 100 requests, TTFT ratios > 1: the reserve "
+                        "is better", "; ".join(cells), "reported"))  # fmt: skip
     azure = doc["results"].get("azure")
     if azure and len(azure) == 2:
         same = azure[0]["replicas_of"] == azure[1]["replicas_of"]
@@ -367,13 +386,17 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
             "paper-memory",
             "What-if: the paper's memory term, beta * shortfall, instead of steps (fcfs)",
         ),
+        (
+            "decode-reserve",
+            "routing.decode_reserve 0.5 and 1.0 beside 0, the default (fcfs)",
+        ),
         ("azure", "Azure chat trace (no reuse), 4 x llama3-8b-a100"),
     ):
         rows = doc["results"].get(name)
         if not rows:
             continue
         lines += [f"## {title}", ""]
-        if name in ("credit-all", "paper-memory"):
+        if name in ("credit-all", "paper-memory", "decode-reserve"):
             for scenario in sorted({r["scenario"] for r in rows}):
                 lines += [
                     f"### {scenario}",

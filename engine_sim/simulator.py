@@ -539,7 +539,12 @@ class Simulation:
             for v, u, hold, c in zip(views, self._urls, holds, counts, strict=True)
         ]
         decision = self._policies[gateway].select(
-            RouteRequest(req.prompt_tokens, self._betas[gateway].beta, _affinity_key(req)),
+            RouteRequest(
+                req.prompt_tokens,
+                self._betas[gateway].beta,
+                _affinity_key(req),
+                self._betas[gateway].mean_output_tokens,
+            ),
             backends,
         )
         replica = decision.index

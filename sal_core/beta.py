@@ -44,6 +44,12 @@ class BetaEstimator:
         return self._n
 
     @property
+    def mean_output_tokens(self) -> float:
+        """Mean output tokens of the observed requests (the seed is not counted); 0.0 before
+        the first."""
+        return self._sum_out / self._n if self._n else 0.0
+
+    @property
     def beta(self) -> float:
         """Current estimate; always >= 1."""
         w = float(self.seed_weight)

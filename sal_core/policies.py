@@ -81,6 +81,10 @@ class RouteRequest:
     affinity_key: str | None = None
     """What affinity policies hash (a session header, or the prompt's first block); None:
     nothing to stick to."""
+    mean_output_tokens: float = 0.0
+    """Mean output tokens of finished requests (`BetaEstimator.mean_output_tokens`; the
+    simulator fills it, the gateway leaves it 0.0: unknown). `SAL` reads it only with
+    `PolicySettings.decode_reserve`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ def memory_wait_steps(shortfall_tokens: float, beta: float, num_running: int) ->
 
 def sal_load(
     prompt_tokens: int,
-    free_kv_tokens: int,
+    free_kv_tokens: float,
     queued_prefill_tokens: int,
     max_num_batched_tokens: int,
     beta: float,
@@ -154,7 +158,8 @@ DEFAULT_MIN_MATCH_TOKENS = 1024
 
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
-    """Tunables a policy may read, from the gateway's ``routing`` config (validated there)."""
+    """Tunables a policy may read, from the gateway's ``routing`` config (validated there),
+    and what-ifs the benchmarks set (`decode_reserve`)."""
 
     min_match_tokens: int = DEFAULT_MIN_MATCH_TOKENS
     """`SAL` ignores a predicted cache hit shorter than this many tokens (config key
@@ -163,9 +168,24 @@ class PolicySettings:
     replica that happens to miss it lose every tie, so it never gets the block: starved.
     Ignoring it costs at most that many tokens of prefill once per replica. 0: count all."""
 
+    decode_reserve: float = 0.0
+    """`SAL` counts ``decode_reserve * mean_output_tokens`` tokens of each running request's
+    KV as already taken (>= 0; `RouteRequest.mean_output_tokens`). vLLM's free KV is what
+    the running requests hold *now*; each still grows by its remaining output, and when KV
+    runs out vLLM preempts one. On a backend running n > 0 requests this adds
+    ``decode_reserve * mean_output / beta`` steps to the memory term, so it rules over the
+    queue term sooner. Not a gateway config key: measured as a what-if (`sal-bench prefix`,
+    "decode-reserve"), 0.5 and 1.0 came out ties with 0 on every scenario (preemption
+    medians down 24 % where KV binds most, up 29 % at a lower load; README, "Known weak
+    spots"). 0.0: the free KV as reported."""
+
     def __post_init__(self) -> None:
         if self.min_match_tokens < 0:
             raise ValueError(f"min_match_tokens must be >= 0, got {self.min_match_tokens}")
+        if not self.decode_reserve >= 0.0 or not math.isfinite(self.decode_reserve):
+            raise ValueError(
+                f"decode_reserve must be a finite number >= 0, got {self.decode_reserve}"
+            )
 
 
 class Policy(ABC):
@@ -213,7 +233,9 @@ class SAL(Policy):
     running request holds need no new KV (memory term: vLLM counts unheld cached blocks as
     free, so reusing them still consumes free KV). A match shorter than
     ``settings.min_match_tokens`` counts as none (`PolicySettings`). With no cache source
-    every cached field is 0.
+    every cached field is 0. With ``settings.decode_reserve`` > 0 (a what-if, never set by
+    the gateway), ``free_kv`` is net of ``decode_reserve * mean_output_tokens`` per running
+    request (`PolicySettings.decode_reserve`).
 
     The ``in_flight * (cmax - cached)`` term is the wait the request imposes on others: on a
     backend that holds less of its prompt than the best one does, it prefills ``cmax -
@@ -254,6 +276,7 @@ class SAL(Policy):
         best = math.inf
         best_in_flight = 0
         literal = self.literal_memory_term
+        reserve = 0.0 if literal else self.settings.decode_reserve * request.mean_output_tokens
         for i, b in enumerate(backends):
             if not b.eligible:
                 continue
@@ -266,7 +289,8 @@ class SAL(Policy):
                 memory_term = beta * (prompt - held - b.free_kv_tokens)
             else:
                 running = b.num_running if b.num_running > 1 else 1
-                memory_term = (prompt - held - b.free_kv_tokens) / (beta * running)
+                free = b.free_kv_tokens - reserve * b.num_running
+                memory_term = (prompt - held - free) / (beta * running)
             budget = b.max_num_batched_tokens if b.max_num_batched_tokens > 1 else 1
             queue_term = (
                 b.queued_prefill_tokens + prompt - cached + b.in_flight * (cmax - cached)
@@ -285,6 +309,8 @@ class SAL(Policy):
         """(index, `sal_load`) of every eligible backend, as `select` weighs them (`select`
         is this list's argmin with its tie-break, computed in one inlined pass)."""
         min_match = self.settings.min_match_tokens
+        literal = self.literal_memory_term
+        reserve = 0.0 if literal else self.settings.decode_reserve * request.mean_output_tokens
         eligible = [(i, b) for i, b in enumerate(backends) if b.eligible]
         cmax = max(
             (b.cached_tokens for _, b in eligible if b.cached_tokens >= min_match), default=0
@@ -296,7 +322,7 @@ class SAL(Policy):
             )
             load = sal_load(
                 request.prompt_tokens,
-                b.free_kv_tokens,
+                b.free_kv_tokens - reserve * b.num_running,
                 b.queued_prefill_tokens,
                 b.max_num_batched_tokens,
                 request.beta,
@@ -304,7 +330,7 @@ class SAL(Policy):
                 cached_held_tokens=held,
                 in_flight=b.in_flight,
                 best_cached_tokens=cmax,
-                num_running=None if self.literal_memory_term else b.num_running,
+                num_running=None if literal else b.num_running,
             )
             out.append((i, load))
         return out

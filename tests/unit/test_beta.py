@@ -19,6 +19,15 @@ def test_converges_to_the_workload_ratio() -> None:
     assert est.observations == 10_000
 
 
+def test_mean_output_tokens_counts_observed_requests_only() -> None:
+    est = BetaEstimator(seed=4.0, seed_weight=10)
+    assert est.mean_output_tokens == 0.0  # unknown, not the seed's pseudo-output of 1
+    est.observe(prompt_tokens=900, output_tokens=100)
+    est.observe(prompt_tokens=100, output_tokens=300)
+    est.observe(prompt_tokens=100, output_tokens=0)  # no output: not a finished request
+    assert est.mean_output_tokens == pytest.approx(200.0)
+
+
 def test_requests_without_output_do_not_move_it() -> None:
     est = BetaEstimator(seed=2.0)
     est.observe(prompt_tokens=5_000, output_tokens=0)

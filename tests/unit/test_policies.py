@@ -302,6 +302,42 @@ def test_policy_settings_reject_a_negative_minimum() -> None:
         PolicySettings(min_match_tokens=-1)
 
 
+def test_decode_reserve_counts_the_running_requests_future_kv_as_taken() -> None:
+    # a has no queue and is 100 tokens short of KV; b has a queue and KV to spare. Each
+    # backend runs 10 requests that will still decode ~200 tokens each.
+    pool = [
+        _cache_view("a", free_kv_tokens=900, num_running=10),
+        _cache_view("b", free_kv_tokens=100_000, num_running=10, queued_prefill_tokens=5_000),
+    ]
+    request = RouteRequest(prompt_tokens=1_000, beta=2.0, mean_output_tokens=200.0)
+    # Reserve 0 (the default): a's 100 missing tokens free in 100 / (2 * 10) = 5 steps,
+    # less than b's 6-step queue.
+    default = make_policy("sal").select(request, pool)
+    assert (default.url, default.score) == ("a", pytest.approx(5.0))
+    reserving = make_policy("sal", settings=PolicySettings(decode_reserve=1.0))
+    # Reserving 10 x 200 tokens of a's KV, it is 2,100 tokens short: 105 steps; b's queue wins.
+    decision = reserving.select(request, pool)
+    assert (decision.url, decision.score) == ("b", pytest.approx(6.0))
+    assert isinstance(reserving, SAL)
+    assert dict(reserving.loads(request, pool)) == pytest.approx({0: 105.0, 1: 6.0})
+    half = make_policy("sal", settings=PolicySettings(decode_reserve=0.5))
+    assert isinstance(half, SAL)
+    assert dict(half.loads(request, pool))[0] == pytest.approx(1_100 / 20)
+    # Unknown mean output (no request finished yet): nothing to reserve.
+    unknown = RouteRequest(prompt_tokens=1_000, beta=2.0)
+    assert reserving.select(unknown, pool).url == "a"
+    # The paper's Eq. 2 stays literal whatever the settings: 2 * 100 on a.
+    paper = make_policy("sal_paper", settings=PolicySettings(decode_reserve=1.0))
+    assert isinstance(paper, SAL)
+    assert dict(paper.loads(request, pool)) == pytest.approx({0: 200.0, 1: 6.0})
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf")])
+def test_policy_settings_reject_a_bad_decode_reserve(bad: float) -> None:
+    with pytest.raises(ValueError, match="decode_reserve"):
+        PolicySettings(decode_reserve=bad)
+
+
 def test_sal_charges_a_move_off_the_cache_for_the_wait_it_imposes_on_in_flight_requests() -> None:
     # a holds 6,000 of the 6,500-token conversation but has 7,000 tokens queued; b holds
     # none of it and has nothing queued, only decoders in flight. The request's own wait is

@@ -141,3 +141,23 @@ def test_the_paper_memory_what_if_is_reported_beside_sal_per_scenario(tmp_path: 
     text = (tmp_path / "prefix.md").read_text()
     assert "## What-if: the paper's memory term" in text
     assert "| fcfs | sal_paper_memory | 3.00 (2.00-4.00) |" in text
+
+
+def test_the_decode_reserve_what_ifs_are_reported_beside_sal_per_scenario(tmp_path: Path) -> None:
+    # Reserving halves the preemptions (4 -> 2 -> 1) at 1.25x / 1.5x the p50 TTFT.
+    cases = (("sal", 1.0, 4.0), ("sal_reserve_0.5", 1.25, 2.0), ("sal_reserve_1", 1.5, 1.0))
+    rows = [_row(r, s, p50, preemptions_per_100=pre) for s in range(2) for r, p50, pre in cases]
+    doc = _doc([_row(r, 0, 1.0) for r in ("sal", "sal_paper", "llm_d")], "reuse survives")
+    doc["results"]["decode-reserve"] = rows
+    found = [a for a in aims(doc) if a[1].startswith("routing.decode_reserve")]
+    assert [(a[0], a[2], a[3]) for a in found] == [
+        (
+            "s / fcfs",
+            "preemptions/100 4.00; 0.5: 2.00, p50 0.80x, p99 0.80x; 1: 1.00, p50 0.67x, p99 0.67x",
+            "reported",
+        )
+    ]
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert "## routing.decode_reserve 0.5 and 1.0 beside 0" in text
+    assert "| fcfs | sal_reserve_1 | 1.50 |" in text
