@@ -63,7 +63,7 @@ def test_frozen_engine_becomes_ineligible_within_stale_after_and_returns() -> No
         before = a.generation_requests
         assert {_complete(rig.url).json()["backend"] for _ in range(6)} == {"b"}
         assert a.generation_requests == before  # no black hole
-        assert a.stats_polls > polls  # its API server is still polled and answers
+        wait_until(lambda: a.stats_polls > polls)  # its API server is still polled, answers
         text = rig.metrics()
         age = metric(text, "sal_backend_progress_age_seconds", backend=rig.served[0].url)
         assert age is not None
@@ -78,8 +78,7 @@ def test_busy_engine_is_eligible_while_it_steps_and_not_when_frozen() -> None:
     with gateway_rig(2, routing=LIVENESS) as rig:
         a = rig.fakes[0]
         a.stats = dataclasses.replace(a.stats, num_running=3)  # busy: step advances per read
-        time.sleep(0.3)
-        assert _healthy(rig, 0) == 1.0
+        wait_until(lambda: _healthy(rig, 0) == 1.0)  # busy, stepping: eligible
         a.behaviour.engine_frozen = True
         wait_until(lambda: _healthy(rig, 0) == 0.0)
 
@@ -219,8 +218,13 @@ SLOW_POLLS: dict[str, Any] = {
     "poll_timeout_s": 6.0,
     "stale_after_s": 1.0,
 }
-"""Polls that succeed but arrive 1.5 s after they were sent (both backends' `/stats` delayed,
-as on a host so busy that every poll comes late): each backend is stale a third of the time."""
+"""With `STATS_DELAY_S`: polls that succeed but arrive 3 s after they were sent (both
+backends' `/stats` delayed, as on a host so busy that every poll comes late)."""
+
+STATS_DELAY_S = 3.0
+"""Each backend is stale 2 s of every 3 s, so both are at once for at least 0.5 s of each
+cycle whatever their pollers' phases (with 1.5 s, a third of the time each: a drift of the
+phases past 0.5 s, on a loaded machine, left no moment with both stale)."""
 
 
 def _routed_while_both_stale(rig: Rig, attempts: int, ready: list[int] | None = None) -> list[int]:
@@ -243,7 +247,7 @@ def _degraded(rig: Rig) -> float:
 def test_every_backend_a_little_stale_at_once_still_routes_degraded() -> None:
     with gateway_rig(2, routing=SLOW_POLLS) as rig:
         for fake in rig.fakes:
-            fake.behaviour.stats_delay_s = 1.5
+            fake.behaviour.stats_delay_s = STATS_DELAY_S
         ready: list[int] = []
         assert set(_routed_while_both_stale(rig, 5, ready)) == {200}
         assert _degraded(rig) >= 1  # at least one of them found no eligible backend
@@ -251,7 +255,7 @@ def test_every_backend_a_little_stale_at_once_still_routes_degraded() -> None:
     # The same fleet without degraded routing: 503s, and not ready meanwhile.
     with gateway_rig(2, routing={**SLOW_POLLS, "degraded_max_progress_age_s": 0}) as rig:
         for fake in rig.fakes:
-            fake.behaviour.stats_delay_s = 1.5
+            fake.behaviour.stats_delay_s = STATS_DELAY_S
         ready = []
         assert 503 in _routed_while_both_stale(rig, 5, ready)
         assert 503 in ready
@@ -261,7 +265,7 @@ def test_degraded_routing_leaves_out_an_engine_frozen_longer_than_its_peer() -> 
     with gateway_rig(2, routing=SLOW_POLLS) as rig:
         a, b = rig.fakes
         for fake in rig.fakes:
-            fake.behaviour.stats_delay_s = 1.5
+            fake.behaviour.stats_delay_s = STATS_DELAY_S
         a.behaviour.engine_frozen = True
         # a's last progress falls more than stale_after_s behind b's within a few polls.
         time.sleep(5.0)

@@ -55,6 +55,18 @@ def _stream(url: str, out: list[tuple[str, float]], lock: threading.Lock) -> Non
         out.append((backend, first))
 
 
+def _wait_both_eligible(url: str) -> None:
+    """Until the gateway has polled both replicas and finds them eligible (readiness
+    needs only one)."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        ready = httpx.get(f"{url}/ready", timeout=5.0)
+        if ready.status_code == 200 and ready.json()["eligible_backends"].get("tiny") == 2:
+            return
+        assert time.monotonic() < deadline, ready.text
+        time.sleep(0.05)
+
+
 def test_a_replica_that_reports_no_queue_does_not_draw_every_stream(tmp_path: Path) -> None:
     ports = PortAllocator(22300, 22400)
     with ExitStack() as stack:
@@ -68,7 +80,7 @@ def test_a_replica_that_reports_no_queue_does_not_draw_every_stream(tmp_path: Pa
             extra={"log_level": "warning"},
         )
         url, _proc = stack.enter_context(run_gateway_process(config))
-        time.sleep(0.5)  # both polled
+        _wait_both_eligible(url)
         answers: list[tuple[str, float]] = []
         lock = threading.Lock()
         senders = []
@@ -114,7 +126,7 @@ def test_a_replica_that_claims_a_huge_step_budget_does_not_draw_every_request(
             extra={"log_level": "warning", "routing": {"budget_spread_max": spread}},
         )
         url, _proc = stack.enter_context(run_gateway_process(config))
-        time.sleep(0.5)  # both polled
+        _wait_both_eligible(url)
         chosen = []
         with httpx.Client(timeout=30.0) as client:
             for _ in range(20):

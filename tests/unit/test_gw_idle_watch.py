@@ -17,10 +17,17 @@ async def _run(
     idle_s: float = IDLE_S,
 ) -> float:
     """Start a watch, feed it `(delay_s, chunk)` touches, return when it fired (loop time
-    since start; -1 if it never fired within 1 s)."""
+    since start, read in its callback: the feed may still be sleeping then; -1 if it never
+    fired within 1 s of the feed's end)."""
     loop = asyncio.get_running_loop()
     fired = asyncio.Event()
-    watch = IdleWatch(loop, idle_s, (lambda: live[0]) if live else None, fired.set)
+    fired_at: list[float] = []
+
+    def on_fire() -> None:
+        fired_at.append(loop.time())
+        fired.set()
+
+    watch = IdleWatch(loop, idle_s, (lambda: live[0]) if live else None, on_fire)
     start = loop.time()
     watch.start()
     watch.sending = sending
@@ -33,7 +40,7 @@ async def _run(
         watch.stop()
         return -1.0
     assert watch.fired
-    return loop.time() - start
+    return fired_at[0] - start
 
 
 async def test_silence_on_a_dead_replica_fires_after_the_bound() -> None:
