@@ -292,7 +292,17 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
                 gateway,
                 log,
             )
+            # A loaded CI machine can starve the emulator past stale_after_s (1 s) at any one
+            # scrape: take the snapshot once it is healthy (bounded; if it never is, the
+            # snapshot shows it and the DNS test fails).
+            emulator_healthy = (
+                f'sal_backend_healthy{{backend="{emulator_url}",model="{model}"}} 1.0'
+            )
+            deadline = time.monotonic() + READY_TIMEOUT_S
             text = client.get("/metrics").text
+            while emulator_healthy not in text and time.monotonic() < deadline:
+                time.sleep(0.1)
+                text = client.get("/metrics").text
         yield {
             "text": text,
             "families": exposition_families(text),

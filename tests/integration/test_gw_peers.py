@@ -42,6 +42,17 @@ from tests.herding_support import (
 pytestmark = pytest.mark.slow
 
 SECRET_ENV = {"SAL_GATEWAY_PEERS_SECRET": "a shared secret for the tests"}
+EXPIRE_S = 4.0
+"""`peers.expire_s` here: a loaded CI machine can leave a gateway unscheduled for over 1 s
+(the default), and its peer would forget its streams meanwhile."""
+STALE_AFTER_S = 5.0
+"""`routing.stale_after_s` here: a loaded CI machine can starve a replica past 1 s (the
+default): staleness is not under test here."""
+
+
+def _unstale(config: dict) -> dict:
+    config["routing"]["stale_after_s"] = STALE_AFTER_S
+    return config
 
 
 def _gateway(port: int, backends: list[str], peer_port: int, other: int | None) -> dict:
@@ -50,9 +61,9 @@ def _gateway(port: int, backends: list[str], peer_port: int, other: int | None) 
         extra["peers"] = {
             "listen": f"127.0.0.1:{peer_port}",
             "addresses": [f"127.0.0.1:{other}"],
-            "expire_s": 1.0,
+            "expire_s": EXPIRE_S,
         }
-    return gateway_config(port, backends, tokenizer=None, policy="sal", extra=extra)
+    return _unstale(gateway_config(port, backends, tokenizer=None, policy="sal", extra=extra))
 
 
 @pytest.mark.parametrize("told", [True, False], ids=["peers", "alone"])
@@ -85,16 +96,20 @@ def test_a_gateway_routes_knowing_what_the_other_gateway_has_in_flight(
             chosen = route_short_requests(second)
             expected = "b" if told else "a"
             assert chosen == [expected] * SHORT_REQUESTS, chosen
-            heard = metric(scrape_metrics(second), "sal_peers_heard")
-            assert heard == (1.0 if told else 0.0)
+            # Waited for: a heartbeat can come late on a loaded machine.
+            wait_until(
+                lambda: metric(scrape_metrics(second), "sal_peers_heard") == (1.0 if told else 0.0),
+                10,
+                "gateway B does not hear as many peers as it was told",
+            )
             if told:
-                # A dies with its streams open: B forgets them after expire_s (1 s) and
-                # then sends to a again (the tie's first).
+                # A dies with its streams open: B forgets them after expire_s and then sends
+                # to a again (the tie's first).
                 os.kill(first_proc.pid, signal.SIGKILL)
                 first_proc.wait(timeout=10)
                 wait_until(
                     lambda: metric(scrape_metrics(second), "sal_peers_heard") == 0.0,
-                    5,
+                    EXPIRE_S + 10,
                     "gateway B still hears the dead gateway A",
                 )
                 resp = httpx.post(f"{second}/v1/completions", json=short_body(0), timeout=30.0)
@@ -134,10 +149,14 @@ def _two_worker_gateway(
             },
             "limits": {"body_workers": 1},
             "log_level": "warning",
-            "peers": {"listen": f"127.0.0.1:{udp[0]}", "addresses": [f"127.0.0.1:{other_udp}"]},
+            "peers": {
+                "listen": f"127.0.0.1:{udp[0]}",
+                "addresses": [f"127.0.0.1:{other_udp}"],
+                "expire_s": EXPIRE_S,
+            },
         },
     )
-    return config, [f"http://127.0.0.1:{p}" for p in own]
+    return _unstale(config), [f"http://127.0.0.1:{p}" for p in own]
 
 
 def test_workers_of_two_gateways_hear_each_other(tmp_path: Path) -> None:
@@ -158,8 +177,13 @@ def test_workers_of_two_gateways_hear_each_other(tmp_path: Path) -> None:
         with streams_held_on_a(workers_a[1], b, observer=workers_b[0]):
             chosen = route_short_requests(workers_b[0])
             assert chosen == ["b"] * SHORT_REQUESTS, chosen
-            # B's worker 0 hears A's two workers (B's worker 1 is its own group).
-            assert metric(scrape_metrics(workers_b[0]), "sal_peers_heard") == 2.0
+            # B's worker 0 hears A's two workers (B's worker 1 is its own group); waited for:
+            # a heartbeat can come late on a loaded machine.
+            wait_until(
+                lambda: metric(scrape_metrics(workers_b[0]), "sal_peers_heard") == 2.0,
+                10,
+                "B's worker 0 does not hear A's two workers",
+            )
 
 
 def _ready(url: str) -> bool:

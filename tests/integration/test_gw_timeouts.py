@@ -17,6 +17,10 @@ from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 # Tight bounds keep the tests quick; the fakes' delays are chosen well clear of them.
 TIGHT = {"stream_header_timeout_s": 1.0, "stream_idle_timeout_s": 1.5, "total_timeout_s": 20.0}
 FIRST_A = {"policy": "round_robin"}  # a fresh round robin tries backend a first
+# For the tests of a live engine's long silence: each idle check must find a good poll within
+# stale_after_s, which a loaded CI machine can delay past 3 s; a frozen engine is not
+# under test there (a longer staleness bound only spares more).
+LIVE = {"stale_after_s": 10.0}
 
 
 def _stream(rig: Rig, max_tokens: int = 4) -> httpx.Response:
@@ -183,7 +187,7 @@ def test_slow_stream_within_the_idle_bound_is_not_cut() -> None:
 def test_silent_stream_on_a_live_engine_is_queued_not_cut() -> None:
     # Two tokens, then 4 s of silence (over twice the 1.5 s idle bound) while the replica's
     # engine keeps progressing: a request queued behind others. It must arrive whole.
-    with gateway_rig(1, proxy=TIGHT) as rig:
+    with gateway_rig(1, routing=LIVE, proxy=TIGHT) as rig:
         fake = rig.fakes[0]
         fake.behaviour.stall_after_chunks = 2
         fake.behaviour.stall_s = 4.0
@@ -312,7 +316,7 @@ def test_non_streamed_request_on_a_replica_that_froze_is_answered_elsewhere() ->
 def test_non_streamed_request_queued_on_a_live_replica_waits_for_its_answer() -> None:
     # 4 s before the answer (queued, then generated) on a replica whose engine progresses:
     # longer than the 1.5 s idle bound, and answered by that replica.
-    with gateway_rig(2, routing=FIRST_A, proxy=TIGHT) as rig:
+    with gateway_rig(2, routing={**FIRST_A, **LIVE}, proxy=TIGHT) as rig:
         a, b = rig.fakes
         a.behaviour.first_byte_delay_s = 4.0
         resp = _complete_whole(rig)

@@ -181,7 +181,14 @@ def test_stream_span_lasts_until_the_last_byte() -> None:
 
 
 def test_retry_gives_one_upstream_span_per_attempt() -> None:
-    routing = {"policy": "round_robin", "poll_interval_s": 5.0, "stale_after_s": 30.0}
+    routing = {
+        "policy": "round_robin",
+        "poll_interval_s": 5.0,
+        "stale_after_s": 30.0,
+        # Two failed polls (2.5 s apart at least) must not eject the dead backend before the
+        # request tries it on a loaded machine: ejection is not under test here.
+        "eject_after_failures": 1000,
+    }
     with traced_rig(2, routing=routing) as rig:
         dead = rig.served[0]
         dead.stop()  # the pollers will not notice for seconds: the first attempt fails

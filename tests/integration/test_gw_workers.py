@@ -55,7 +55,7 @@ def _two_workers(
     gw_port: int, own: list[int], backends: list[str], policy: str, **listen: object
 ) -> dict[str, object]:
     """A gateway config with two workers (one body worker each) in front of `backends`."""
-    return gateway_config(
+    config = gateway_config(
         gw_port,
         backends,
         tokenizer=None,
@@ -72,6 +72,9 @@ def _two_workers(
             "log_level": "warning",
         },
     )
+    # A loaded CI machine can starve a replica past 1 s: staleness is not under test here.
+    config["routing"]["stale_after_s"] = 5.0
+    return config
 
 
 def _ready(port: int) -> None:
