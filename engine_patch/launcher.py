@@ -34,15 +34,16 @@ import argparse
 import atexit
 import contextlib
 import glob
+import importlib
 import json
 import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from engine_patch import __version__, patch_config
 from engine_patch.snapshot import remove_orphans
@@ -258,17 +259,26 @@ def _remove_snapshots(prefix: str) -> None:
             Path(path).unlink()
 
 
+def _cli_env_setup() -> Callable[[], None]:
+    """vLLM's ``cli_env_setup`` (the environment ``vllm serve`` prepares before parsing),
+    wherever the installed release keeps it."""
+    try:  # vLLM 0.33
+        module = importlib.import_module("vllm.entrypoints.common.startup")
+    except ImportError:  # vLLM 0.32
+        module = importlib.import_module("vllm.entrypoints.serve.utils.api_utils")
+    return cast(Callable[[], None], module.cli_env_setup)
+
+
 def run_vllm_serve(vllm_args: Sequence[str]) -> None:
     """Run vLLM's ``serve`` subcommand in this process (blocks until the server exits)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     # vLLM and its subprocesses look at sys.argv in places; make it what `vllm serve` sees.
     sys.argv = ["vllm", "serve", *vllm_args]
-    # vLLM leaves these two untyped.
-    cli_env_setup()  # type: ignore[no-untyped-call]
+    _cli_env_setup()()
+    # vLLM leaves it untyped.
     parser = FlexibleArgumentParser(description="vLLM (via sal-engine)")  # type: ignore[no-untyped-call]
     subparsers = parser.add_subparsers(dest="subparser", required=True)
     command = ServeSubcommand()

@@ -7,6 +7,12 @@ result is deterministic for the same arguments. Used by the tests, the benchmark
 compose profile::
 
     python -m engine_patch.tiny_model /tmp/tiny-llama
+
+``--architecture qwen3`` writes the same model as a Qwen3 (``Qwen3ForCausalLM``): one of the
+architectures vLLM 0.33's decisions API (``/v1/decisions``) serves, started with
+``--logprobs-mode raw_logprobs``. Its tokenizer also has ``yes`` and ``no`` as tokens of
+their own (`DECISION_WORDS`): vLLM reads a decision from the logprobs of one label token
+right after the chat prompt (A-Z, 0-9, yes, no), and refuses a tokenizer that splits one.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ CHAT_TEMPLATE = (
 )
 
 _SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+ARCHITECTURES = ("llama", "qwen3")
+"""What `build` can write (see the module docstring)."""
+DECISION_WORDS = ("yes", "no")
+"""Labels of vLLM's decisions API that a small BPE splits: whole tokens in the qwen3 build."""
 
 
 def _corpus(seed: int, n_lines: int) -> list[str]:
@@ -35,8 +45,11 @@ def _corpus(seed: int, n_lines: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 30))) for _ in range(n_lines)]
 
 
-def build_tokenizer_json(vocab_size: int = 2048, seed: int = 0) -> str:
-    """Train a byte-level BPE tokenizer and return its ``tokenizer.json`` text."""
+def build_tokenizer_json(
+    vocab_size: int = 2048, seed: int = 0, extra_tokens: tuple[str, ...] = ()
+) -> str:
+    """Train a byte-level BPE tokenizer and return its ``tokenizer.json`` text; `extra_tokens`
+    become tokens of their own (added, not special: they decode as text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -53,6 +66,8 @@ def build_tokenizer_json(vocab_size: int = 2048, seed: int = 0) -> str:
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
     )
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
     return str(tok.to_str())
 
 
@@ -64,12 +79,16 @@ def build(
     hidden_size: int = 64,
     num_layers: int = 2,
     seed: int = 0,
+    architecture: str = "llama",
 ) -> Path:
     """Write the model directory (idempotent) and return its path."""
     from tokenizers import Tokenizer
 
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    qwen3 = architecture == "qwen3"
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok_text = build_tokenizer_json(vocab_size, seed)
+    tok_text = build_tokenizer_json(vocab_size, seed, DECISION_WORDS if qwen3 else ())
     (out_dir / "tokenizer.json").write_text(tok_text)
     real_vocab = Tokenizer.from_str(tok_text).get_vocab_size()
     head_dim = 32
@@ -93,6 +112,18 @@ def build(
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     }
+    if qwen3:
+        config.update(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "model_type": "qwen3",
+                "attention_bias": False,
+                "attention_dropout": 0.0,
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": num_layers,
+            }
+        )
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -114,8 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
     args = parser.parse_args(argv)
-    path = build(args.out_dir, vocab_size=args.vocab_size, max_model_len=args.max_model_len)
+    path = build(
+        args.out_dir,
+        vocab_size=args.vocab_size,
+        max_model_len=args.max_model_len,
+        architecture=args.architecture,
+    )
     print(path)
     return 0
 

