@@ -289,8 +289,10 @@ class SAL(Policy):
                 memory_term = beta * (prompt - held - b.free_kv_tokens)
             else:
                 running = b.num_running if b.num_running > 1 else 1
-                free = b.free_kv_tokens - reserve * b.num_running
-                memory_term = (prompt - held - free) / (beta * running)
+                short: float = prompt - held - b.free_kv_tokens
+                if reserve:  # a what-if only (`PolicySettings.decode_reserve`)
+                    short += reserve * b.num_running
+                memory_term = short / (beta * running)
             budget = b.max_num_batched_tokens if b.max_num_batched_tokens > 1 else 1
             queue_term = (
                 b.queued_prefill_tokens + prompt - cached + b.in_flight * (cmax - cached)
