@@ -32,6 +32,17 @@ FAST_ROUTING: dict[str, Any] = {
     "seed": 1,
 }
 
+DEATH_UNNOTICED: dict[str, Any] = {
+    "policy": "round_robin",
+    "poll_interval_s": 5.0,
+    "stale_after_s": 30.0,
+    # Two failed polls (2.5 s apart at least) must not eject a stopped backend before a
+    # request tries it on a loaded machine: ejection is not under test where this is used.
+    "eject_after_failures": 1000,
+}
+"""Routing under which the pollers do not notice a stopped backend for seconds: the proxy
+must (its connect fails and the request is retried on another backend)."""
+
 
 def gateway_config(
     backends: list[str],

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine_sim.fake_vllm import FakeBackend, ServedBackend
-from tests.gw_fake_support import MODEL, gateway_rig, metric, wait_until
+from tests.gw_fake_support import DEATH_UNNOTICED, MODEL, gateway_rig, metric, wait_until
 
 
 def _complete(url: str, **body: object) -> httpx.Response:
@@ -53,15 +53,7 @@ def test_killed_backend_is_ejected_and_readmitted_when_it_returns() -> None:
 
 
 def test_connect_failure_before_first_byte_is_retried_on_the_other_backend() -> None:
-    routing = {
-        "policy": "round_robin",
-        "poll_interval_s": 5.0,
-        "stale_after_s": 30.0,
-        # Two failed polls (2.5 s apart at least) must not eject a before a request tries it
-        # on a loaded machine: ejection is not under test here.
-        "eject_after_failures": 1000,
-    }
-    with gateway_rig(2, routing=routing) as rig:
+    with gateway_rig(2, routing=DEATH_UNNOTICED) as rig:
         a_served = rig.served[0]
         a_served.stop()  # the pollers will not notice for seconds: the proxy must
         answers = [_complete(rig.url) for _ in range(4)]

@@ -25,7 +25,7 @@ from engine_sim.fake_vllm import FakeBackend, ServedApp, ServedBackend
 from sal_gateway.app import create_app
 from sal_gateway.config import TracingConfig
 from sal_gateway.tracing import build_tracing
-from tests.gw_fake_support import MODEL, gateway_config, wait_until
+from tests.gw_fake_support import DEATH_UNNOTICED, MODEL, gateway_config, wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -181,15 +181,7 @@ def test_stream_span_lasts_until_the_last_byte() -> None:
 
 
 def test_retry_gives_one_upstream_span_per_attempt() -> None:
-    routing = {
-        "policy": "round_robin",
-        "poll_interval_s": 5.0,
-        "stale_after_s": 30.0,
-        # Two failed polls (2.5 s apart at least) must not eject the dead backend before the
-        # request tries it on a loaded machine: ejection is not under test here.
-        "eject_after_failures": 1000,
-    }
-    with traced_rig(2, routing=routing) as rig:
+    with traced_rig(2, routing=DEATH_UNNOTICED) as rig:
         dead = rig.served[0]
         dead.stop()  # the pollers will not notice for seconds: the first attempt fails
         resp = _chat(rig.url, headers={"traceparent": TRACEPARENT})
