@@ -25,6 +25,7 @@ LARRY_TAIL_KEYS: dict[str, type] = {
     "alpha": float,
     "pin": str,
     "slack": float,
+    "cap": float,
     "margin_s": float,
     "headroom": float,
     "rate_window_s": float,

@@ -243,7 +243,7 @@ class GatewayMetrics:
             "sal_upstream_cancels",
             "Upstream connections the gateway closed on an unfinished exchange (vLLM aborts "
             "the request), by reason: client_disconnect, header_timeout, idle_timeout, "
-            "total_timeout, aborted",
+            "total_timeout, aborted, shutdown",
             [*_MB, "reason"],
             registry=r,
         )

