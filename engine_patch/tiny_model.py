@@ -13,6 +13,11 @@ architectures vLLM 0.33's decisions API (``/v1/decisions``) serves, started with
 ``--logprobs-mode raw_logprobs``. Its tokenizer also has ``yes`` and ``no`` as tokens of
 their own (`DECISION_WORDS`): vLLM reads a decision from the logprobs of one label token
 right after the chat prompt (A-Z, 0-9, yes, no), and refuses a tokenizer that splits one.
+
+`build_lora` (``--lora DIR``) writes a LoRA adapter for the built model in PEFT's format
+(``adapter_config.json`` and small random ``adapter_model.safetensors`` for ``q_proj`` and
+``v_proj``, deterministic per seed): what vLLM loads with ``--enable-lora --lora-modules
+name=DIR`` or ``POST /v1/load_lora_adapter``.
 """
 
 from __future__ import annotations
@@ -140,12 +145,57 @@ def build(
     return out_dir
 
 
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def build_lora(model_dir: Path, out_dir: Path, *, rank: int = 8, seed: int = 0) -> Path:
+    """Write a LoRA adapter of rank `rank` for the model in `model_dir` (idempotent) and
+    return its path. Its weights are small random numbers: it changes the model's output,
+    which is all a scheduling or routing test needs of it."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim", hidden // config["num_attention_heads"]))
+    outputs = {
+        "q_proj": int(config["num_attention_heads"]) * head_dim,
+        "v_proj": int(config.get("num_key_value_heads", config["num_attention_heads"])) * head_dim,
+    }
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(int(config["num_hidden_layers"])):
+        for module in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = rng.normal(0.0, 0.01, (rank, hidden)).astype(np.float32)
+            b = rng.normal(0.0, 0.01, (outputs[module], rank)).astype(np.float32)
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+    out_dir.mkdir(parents=True, exist_ok=True)
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": str(model_dir),
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
+    parser.add_argument("--lora", type=Path, help="also write a LoRA adapter for it here")
     args = parser.parse_args(argv)
     path = build(
         args.out_dir,
@@ -154,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         architecture=args.architecture,
     )
     print(path)
+    if args.lora is not None:
+        print(build_lora(path, args.lora))
     return 0
 
 

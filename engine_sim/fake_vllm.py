@@ -119,6 +119,9 @@ class FakeBackend:
     model: str = "tiny"
     also_serves: tuple[str, ...] = ()
     """Further served names (vLLM's ``--served-model-name a b``): listed and accepted."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters (vLLM's ``--lora-modules``): listed with ``parent`` = `model` and
+    accepted; assign a new tuple to load or unload one."""
     behaviour: FakeBehaviour = field(default_factory=FakeBehaviour)
     stats: ReplicaStats = field(default_factory=default_stats)
     metrics_waiting: int = 0
@@ -132,6 +135,8 @@ class FakeBackend:
     generation_requests: int = 0
     disconnects: int = 0
     stats_polls: int = 0
+    models_reads: int = 0
+    """``GET /v1/models`` answered."""
     keep_received: int = 1000
     """How many request bodies `received` keeps (the newest)."""
     _served: ReplicaStats | None = None
@@ -160,8 +165,11 @@ class FakeBackend:
         elif method == "GET" and path == "/health":
             await _send(send, 200, b"", b"text/plain")
         elif method == "GET" and path == "/v1/models":
+            self.models_reads += 1
             names = (self.model, *self.also_serves)
-            body = {"object": "list", "data": [{"id": n, "object": "model"} for n in names]}
+            cards = [{"id": n, "object": "model", "parent": None} for n in names]
+            cards += [{"id": a, "object": "model", "parent": self.model} for a in self.adapters]
+            body = {"object": "list", "data": cards}
             await _send_json(send, 200, body, self.name)
         else:
             await _send_json(send, 404, {"error": {"message": "not found", "code": 404}}, self.name)
@@ -232,7 +240,8 @@ class FakeBackend:
             return
         self.received.append(body)
         requested = body.get("model") if isinstance(body, dict) else None
-        if isinstance(requested, str) and requested not in (self.model, *self.also_serves):
+        served = (self.model, *self.also_serves, *self.adapters)
+        if isinstance(requested, str) and requested not in served:
             # vLLM's answer to a model it does not serve (`OpenAIServingModels.check_model`).
             error = {
                 "message": f"The model `{requested}` does not exist.",

@@ -8,7 +8,10 @@ characters, `INLINE_MESSAGES`); anything larger or longer goes to a worker proce
 (`body_pool`), so that no work that grows with the request holds the loop's GIL; reads at
 most `LARGE_BODY_SLOTS` very large bodies at a time; refuses a request chat template unless
 the model trusts them and then renders it in `template_pool`; counts prompt tokens and
-checks the context length.
+checks the context length. A `model` that is no configured model but a name its replicas
+serve besides one (a LoRA adapter, another served name: `model_catalog`) is resolved to that
+model (`resolve_served`); a name nobody serves is a 404, after one bounded re-read of the
+replicas' ``/v1/models`` in case it was loaded a moment ago.
 `forward_headers()` builds what goes upstream; `request_id_of()` reads `FrontDoor`'s id.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 from typing import TYPE_CHECKING
 
@@ -33,6 +37,7 @@ from sal_gateway.errors import (
     TemplateTimeout,
 )
 from sal_gateway.front_door import new_request_id
+from sal_gateway.model_catalog import ServedName
 from sal_gateway.proxy import upstream_headers
 from sal_gateway.request_body import Endpoint, InboundRequest, parse_body
 from sal_gateway.tokenizer import PromptCount, PromptCounter, check_length, text_size
@@ -55,6 +60,9 @@ LARGE_BODY_SLOTS = 4
 admitted at most this many at a time: bounds their memory (slots x
 ``proxy.max_body_bytes``). Others wait, within their body deadline."""
 LARGE_BODY_BYTES = 256 * 1024
+SERVED_REFRESH_S = 2.0
+"""A request naming a model the gateway does not know waits at most this long for its
+replicas' ``/v1/models`` to be read again (an adapter loaded a moment ago) before its 404."""
 
 
 async def read_body(request: Request, max_body_bytes: int, timeout_s: float | None = None) -> bytes:
@@ -203,6 +211,25 @@ def _block_sizes(rt: Runtime) -> dict[str, int] | None:
     return None if rt.prefix is None else rt.prefix.block_sizes()
 
 
+async def resolve_served(
+    rt: Runtime, inbound: InboundRequest
+) -> tuple[InboundRequest, ServedName | None]:
+    """`inbound` routed by configured model: unchanged for a configured model's name; for a
+    name its replicas serve besides one, that model (`InboundRequest.served_model` keeps the
+    name) and where the name is served. Raises `ModelNotFound` for a name nobody serves,
+    after at most one re-read of the replicas' model lists (`SERVED_REFRESH_S`)."""
+    name = inbound.model
+    if name in rt.counters:
+        return inbound, None
+    served = rt.catalog.served(name)
+    if served is None:
+        await rt.catalog.refresh_now(SERVED_REFRESH_S)
+        served = rt.catalog.served(name)
+    if served is None or served.model not in rt.counters:
+        raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+    return dataclasses.replace(inbound, model=served.model, served_model=name), served
+
+
 def count_rejection(rt: Runtime, exc: GatewayError) -> None:
     if isinstance(exc, RequestTimeout):
         rt.metrics.rejected.labels(reason="body_timeout").inc()
@@ -227,9 +254,10 @@ def _is_large(request: Request) -> bool:
 
 async def admit(
     request: Request, endpoint: Endpoint | ApiEndpoint, rt: Runtime
-) -> tuple[InboundRequest, bytes, PromptCount]:
+) -> tuple[InboundRequest, bytes, PromptCount, ServedName | None]:
     """Read, validate and count one request (large ones within `LARGE_BODY_SLOTS`): the
-    request, the body to forward and its prompt tokens."""
+    request, the body to forward, its prompt tokens and, for a name served besides a
+    configured model (`resolve_served`), where it is served."""
     deadline_s = rt.config.listen.body_timeout_s + BODY_GRACE_S
     max_n = rt.config.limits.max_n
     async with contextlib.AsyncExitStack() as stack:
@@ -245,20 +273,29 @@ async def admit(
         raw = await read_body(request, rt.config.proxy.max_body_bytes, deadline_s)
         count: PromptCount | None = None
         bodies = rt.bodies
+        in_worker = False
         if bodies is not None and len(raw) > INLINE_BODY_BYTES:
             inbound, count, raw = await bodies.admit(
-                raw, endpoint, max_n, default_model(rt), _block_sizes(rt)
+                raw, endpoint, max_n, default_model(rt), _block_sizes(rt), rt.catalog.aliases()
             )
+            in_worker = True
         else:
             inbound = _parse_inline(raw, endpoint, rt)
             inline_chars = rt.config.proxy.tokenize_in_thread_chars
             if bodies is not None and _costly_to_count(inbound, inline_chars):
                 inbound, count, raw = await bodies.admit(
-                    raw, endpoint, max_n, default_model(rt), _block_sizes(rt)
+                    raw, endpoint, max_n, default_model(rt), _block_sizes(rt), rt.catalog.aliases()
                 )
-        counter = rt.counters.get(inbound.model)
-        if counter is None:
-            raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
+                in_worker = True
+        asked = inbound.model
+        inbound, served = await resolve_served(rt, inbound)
+        if bodies is not None and in_worker and count is None and served is not None:
+            # The name was learnt while the worker counted: count it there again, by model.
+            again, count, raw = await bodies.admit(
+                raw, endpoint, max_n, default_model(rt), _block_sizes(rt), {asked: served.model}
+            )
+            inbound = dataclasses.replace(again, model=served.model, served_model=asked)
+        counter = rt.counters[inbound.model]
         _check_runner(endpoint, inbound, rt)
         trace = trace_of(request)
         with trace.tokenize() as span:
@@ -268,5 +305,5 @@ async def admit(
             span.counted(count)
         check_length(count, inbound.max_tokens, counter.max_model_len)
         trace.admitted(inbound, count)
-        return inbound, raw, count
+        return inbound, raw, count, served
     raise AssertionError("unreachable")  # mypy: AsyncExitStack may swallow exceptions

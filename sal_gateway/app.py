@@ -264,6 +264,7 @@ async def build_runtime(
     )
     runtime = Runtime(
         config=config,
+        catalog=ModelCatalog([m.name for m in config.models]),
         table=table,
         metrics=metrics,
         betas=betas,
@@ -343,7 +344,7 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
     rt: Runtime = request.app.state.runtime
     model_label = "unknown"  # unconfigured names never become label values
     try:
-        inbound, raw, count = await admit(request, endpoint, rt)
+        inbound, raw, count, served = await admit(request, endpoint, rt)
         model_label = inbound.model
         rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
         if count.estimated:
@@ -360,8 +361,10 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
             load,
             trace=trace_of(request),
             policy=policy,
-            blocks=rt.prompt_blocks(inbound.counted, count),
+            # An adapter's KV blocks are its own (vLLM keys them by adapter): no prediction.
+            blocks=None if served and served.adapter else rt.prompt_blocks(inbound.counted, count),
             affinity_key=None if session is None else request.headers.get(session),
+            only=None if served is None else served.urls,
         )
         return await _unless_disconnected(request, forward)
     except ClientDisconnect:

@@ -98,11 +98,13 @@ class BodyPool:
         max_n: int,
         default_model: str | None = None,
         block_sizes: dict[str, int] | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> tuple[InboundRequest, PromptCount | None, bytes]:
         """Validate and count `raw` sent to `endpoint` (`default_model`: the model of a body
-        without one, API endpoints only): the request, its count (None: a request template
-        must be rendered first; with block keys when `block_sizes` names its model) and the
-        body to forward (`raw`, unless re-encoded)."""
+        without one, API endpoints only; `aliases`: names served besides a configured model
+        -> that model, whose tokenizer counts them): the request, its count (None: a request
+        template must be rendered first, or its model is unknown; with block keys when
+        `block_sizes` names its model) and the body to forward (`raw`, unless re-encoded)."""
         path = endpoint.path if isinstance(endpoint, ApiEndpoint) else endpoint.value
         header = {
             "op": "admit",
@@ -110,6 +112,7 @@ class BodyPool:
             "max_n": max_n,
             "default_model": default_model,
             "block_sizes": block_sizes or {},
+            "aliases": aliases or {},
         }
         answer, reencoded = await self._run(header, raw)
         s = answer["summary"]

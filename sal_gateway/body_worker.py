@@ -12,6 +12,7 @@ lowers its CPU priority (the loop's small work comes first on a busy machine), t
 ``{"ready": true}``. Jobs:
 
 * ``{"op": "admit", "endpoint": "/v1/completions", "max_n": 16, "block_sizes": {model: 16},
+  "aliases": {served_name: model},
   "len": N}`` + the raw body: answers ``{"ok": true, "summary": {...}}`` (`admit_job`; with a
   block size for the request's model, the count carries the prompt's block keys: about 8
   bytes of JSON per 16 tokens, far less than the ids), plus, for a streaming body that
@@ -48,9 +49,11 @@ def admit_job(
     counters: dict[str, Any],
     default_model: str | None = None,
     block_sizes: dict[str, int] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     """Decode, validate and (unless a request template must be rendered first) count one
-    body (with its block keys when `block_sizes` names the request's model). Returns the
+    body (with its block keys when `block_sizes` names the request's model); a model named
+    in `aliases` (a name served besides a configured model) is counted as that model. Returns the
     summary and, for a streaming body that cannot take a spliced ``stream_options``, the
     body re-encoded as UTF-8 JSON (else ``b""``). `BadRequest` propagates (the caller
     answers it)."""
@@ -81,9 +84,10 @@ def admit_job(
         "body": {k: body[k] for k in _READ_AFTER_ADMISSION if k in body},
         "count": None,
     }
-    counter = counters.get(inbound.model)
+    model = (aliases or {}).get(inbound.model, inbound.model)
+    counter = counters.get(model)
     if counter is not None and (inbound.chat_template is None or not counter.has_tokenizer):
-        block_size = (block_sizes or {}).get(inbound.model)
+        block_size = (block_sizes or {}).get(model)
         count = counter.count_sync(inbound, block_size)
         summary["count"] = {
             "per_prompt": list(count.per_prompt),
@@ -114,6 +118,7 @@ def _job(
             counters,
             header.get("default_model"),
             _block_sizes(header.get("block_sizes")),
+            _aliases(header.get("aliases")),
         )
     except BadRequest as exc:
         return {"error": {"message": exc.message, "param": exc.param}}, b""
@@ -129,6 +134,12 @@ def _block_sizes(value: object) -> dict[str, int]:
     if not isinstance(value, dict):
         return {}
     return {str(k): v for k, v in value.items() if isinstance(v, int) and v > 0}
+
+
+def _aliases(value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, str)}
 
 
 def _resident_bytes() -> int:

@@ -13,8 +13,18 @@ answer:
   (``owned_by: sal-gateway``), as before the first refresh;
 * a configured model whose backends answered without it (they serve another name: requests
   would meet vLLM's 404) is not listed;
-* names a replica serves that are not configured models (another served name, LoRA adapters)
-  are not listed: the gateway routes by configured model only.
+* a name some backends of a configured model serve besides the model's own (a LoRA adapter,
+  vLLM's ``--lora-modules`` or ``/v1/load_lora_adapter``; another ``--served-model-name``) is
+  listed after that model, with the card its first backend reports plus ``sal_replicas``, and
+  is routed within that model's pool to the backends that list it (`ModelCatalog.served`); a
+  name served in two configured models' pools belongs to the first in configuration order,
+  a configured model's own name is never taken for another's, and a backend that does not
+  serve its pool's model (not routable, above) contributes no names.
+
+A name the catalog does not know may have been loaded a moment ago (``/v1/load_lora_adapter``
+on the replicas): `ModelCatalog.refresh_now` has every refresh loop read its backends again
+at once and waits for those reads, within a bound, at most once per `RETRY_S` (requests naming
+unknown models cannot make the gateway poll faster than that).
 
 Each good answer is also handed to ``on_served(url, names)``: the app marks a backend whose
 answer lacks its model as not routable for it (`sal_gateway.state`), and such a backend is
@@ -28,9 +38,12 @@ backend that leaves the pool (discovery) is forgotten.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -50,13 +63,51 @@ Fetch = Callable[[str], Awaitable[tuple[Card, ...] | None]]
 """``fetch(backend_url)``: the backend's model cards, or None when the read failed."""
 
 
-class ModelCatalog:
-    """The last good ``/v1/models`` answer of each (model, backend); main loop only."""
+@dataclass(frozen=True, slots=True)
+class ServedName:
+    """A name backends of a configured model serve besides the model's own name."""
 
-    def __init__(self) -> None:
+    model: str
+    """The configured model whose pool, tokenizer and limits the requests use."""
+    urls: frozenset[str]
+    """Its backends whose ``/v1/models`` lists the name."""
+    adapter: bool
+    """A LoRA adapter (its card names a ``parent``): vLLM keys its KV blocks by the adapter,
+    so the base model's prefix cache is not its own."""
+
+
+@dataclass(slots=True)
+class _Demand:
+    """An on-demand refresh: the loops still to finish a round begun after `at_s`."""
+
+    at_s: float
+    waiting: set[str]
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class ModelCatalog:
+    """The last good ``/v1/models`` answer of each (model, backend); main loop only.
+
+    `models`: the configured model names in configuration order (which model a name served
+    in several pools belongs to; configured names are never served names).
+    """
+
+    def __init__(
+        self, models: Sequence[str] = (), clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._models = tuple(models)
+        self._clock = clock
         self._cards: dict[tuple[str, str], tuple[Card, ...]] = {}
+        self._served: dict[str, ServedName] | None = None
+        """Served name -> where it is served (rebuilt after a change)."""
+        self._wake: dict[str, asyncio.Event] = {}
+        self._demand: _Demand | None = None
 
     def update(self, model: str, url: str, cards: tuple[Card, ...]) -> None:
+        if self._cards.get((model, url)) != cards:
+            self._served = None
         self._cards[(model, url)] = cards
 
     def known(self, model: str, url: str) -> bool:
@@ -67,21 +118,129 @@ class ModelCatalog:
         keep = set(urls)
         for key in [k for k in self._cards if k[0] == model and k[1] not in keep]:
             del self._cards[key]
+            self._served = None
+
+    # --- names served besides the configured ones ----------------------------------------
+
+    def served(self, name: str) -> ServedName | None:
+        """Where `name` is served when it is not a configured model (None: nowhere known)."""
+        return self._served_index().get(name)
+
+    def aliases(self) -> dict[str, str]:
+        """Every served name -> its configured model (for the body workers' counting)."""
+        return {name: s.model for name, s in self._served_index().items()}
+
+    def _served_index(self) -> dict[str, ServedName]:
+        if self._served is not None:
+            return self._served
+        configured = set(self._models) | {model for model, _ in self._cards}
+        found: dict[str, tuple[str, set[str], bool]] = {}
+        order = {m: i for i, m in enumerate(self._models)}
+        keys = sorted(self._cards, key=lambda k: (order.get(k[0], len(order)), k[1]))
+        for model, url in keys:
+            cards = self._cards[(model, url)]
+            if not any(c["id"] == model for c in cards):
+                continue  # serves another model: not routable for this one (`state`)
+            for card in cards:
+                name = card["id"]
+                if name in configured:
+                    continue
+                owner = found.get(name)
+                if owner is None:
+                    found[name] = (model, {url}, card.get("parent") is not None)
+                elif owner[0] == model:
+                    owner[1].add(url)
+        self._served = {
+            name: ServedName(model, frozenset(urls), adapter)
+            for name, (model, urls, adapter) in found.items()
+        }
+        return self._served
+
+    # --- reading again on demand ---------------------------------------------------------
+
+    async def refresh_now(self, timeout_s: float) -> None:
+        """Have every running refresh loop read its backends again now and wait for those
+        reads (rounds begun after this call), at most `timeout_s`. Within `RETRY_S` of the
+        last demand this joins it instead (or returns at once when it is over)."""
+        demand = self._demand
+        now_s = self._clock()
+        if demand is None or (demand.done.done() and now_s - demand.at_s >= RETRY_S):
+            if not self._wake:
+                return
+            demand = self._demand = _Demand(now_s, set(self._wake))
+            for event in self._wake.values():
+                event.set()
+        if demand.done.done():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(demand.done)
+
+    # The refresh loops' side (`refresh_models`).
+
+    def now_s(self) -> float:
+        return self._clock()
+
+    def loop_started(self, model: str) -> None:
+        self._wake.setdefault(model, asyncio.Event())
+
+    async def pause(self, model: str, delay_s: float) -> None:
+        """A refresh loop's wait between rounds: `delay_s`, or until a demand wakes it."""
+        event = self._wake.setdefault(model, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay_s):
+                await event.wait()
+        event.clear()
+
+    def round_done(self, model: str, started_s: float) -> None:
+        """`model`'s loop finished a round of reads it began at `started_s`."""
+        demand = self._demand
+        if demand is None or demand.done.done() or started_s < demand.at_s:
+            return
+        demand.waiting.discard(model)
+        if not demand.waiting:
+            demand.done.set_result(None)
+
+    def loop_stopped(self, model: str) -> None:
+        """`model`'s loop ended: no demand waits for it."""
+        self._wake.pop(model, None)
+        demand = self._demand
+        if demand is not None and not demand.done.done():
+            demand.waiting.discard(model)
+            if not demand.waiting:
+                demand.done.set_result(None)
+
+    # --- the gateway's /v1/models --------------------------------------------------------
 
     def listing(self, pools: Mapping[str, Sequence[str]], now_s: int) -> list[Card]:
         """The ``data`` of ``/v1/models``: `pools` maps each configured model, in order, to
         its backends now (see the module docstring for the rules)."""
         data = []
+        served = self._served_index()
         for model, urls in pools.items():
-            answered = [self._cards[(model, u)] for u in sorted(urls) if (model, u) in self._cards]
+            answered = [
+                (u, self._cards[(model, u)]) for u in sorted(urls) if (model, u) in self._cards
+            ]
             if not answered:
                 data.append(
                     {"id": model, "object": "model", "created": now_s, "owned_by": "sal-gateway"}
                 )
                 continue
-            serving = [c for cards in answered for c in cards if c.get("id") == model]
+            serving = [c for _, cards in answered for c in cards if c.get("id") == model]
             if serving:
                 data.append({**serving[0], "sal_replicas": len(serving)})
+            extra: dict[str, tuple[Card, int]] = {}
+            for _, cards in answered:
+                for card in cards:
+                    name = card["id"]
+                    where = served.get(name)
+                    if where is None or where.model != model:
+                        continue
+                    first, n = extra.get(name, (card, 0))
+                    extra[name] = (first, n + 1)
+            for name in sorted(extra):
+                card, n = extra[name]
+                data.append({**card, "sal_replicas": n})
         return data
 
 
@@ -128,9 +287,26 @@ async def refresh_models(
     on_served: Callable[[str, tuple[str, ...]], None] | None = None,
 ) -> None:
     """Keep `catalog` current for `model` until cancelled, telling `on_served` what each
-    backend that answered serves (see the module docstring)."""
+    backend that answered serves (see the module docstring); `ModelCatalog.refresh_now`
+    cuts its wait short."""
+    try:
+        await _refresh_loop(model, backends, fetch, catalog, interval_s, on_served)
+    finally:
+        catalog.loop_stopped(model)
+
+
+async def _refresh_loop(
+    model: str,
+    backends: Callable[[], list[str]],
+    fetch: Fetch,
+    catalog: ModelCatalog,
+    interval_s: float,
+    on_served: Callable[[str, tuple[str, ...]], None] | None,
+) -> None:
     elsewhere: set[str] = set()
+    catalog.loop_started(model)
     while True:
+        started_s = catalog.now_s()
         urls = backends()
         catalog.retain(model, urls)
         elsewhere.intersection_update(urls)
@@ -146,5 +322,6 @@ async def refresh_models(
                 elsewhere.add(url)
             if on_served is not None:
                 on_served(url, names)
+        catalog.round_done(model, started_s)
         waiting = bool(elsewhere) or any(not catalog.known(model, u) for u in urls)
-        await asyncio.sleep(min(RETRY_S, interval_s) if waiting else interval_s)
+        await catalog.pause(model, min(RETRY_S, interval_s) if waiting else interval_s)

@@ -130,8 +130,13 @@ class _Retry(Exception):
         a connect timeout from a stall of the gateway (`upstream.connect_held_up_by_stall`)."""
 
 
-def _excluding(views: list[BackendView], exclude: set[str]) -> list[BackendView]:
-    """`views` with the backends in `exclude` (already tried) made ineligible."""
+def _excluding(
+    views: list[BackendView], exclude: set[str], only: frozenset[str] | None = None
+) -> list[BackendView]:
+    """`views` with the backends in `exclude` (already tried), and those not in `only` (when
+    given: the backends serving the requested adapter), dropped from the choice."""
+    if only is not None:
+        views = [v for v in views if v.url in only]
     if not exclude:
         return views
     return [dataclasses.replace(v, eligible=False) if v.url in exclude else v for v in views]
@@ -200,15 +205,17 @@ class Forwarder:
         policy: Policy | None = None,
         blocks: PromptBlocks | None = None,
         affinity_key: str | None = None,
+        only: frozenset[str] | None = None,
     ) -> tuple[str, BackendView, Policy]:
         """The policy's choice for `model` among backends not in `exclude` (records metrics
         and, when tracing, the decision on the request's span): its URL, its view and the
         policy that chose it. `policy` replaces the configured one (requests the gateway
         could not count). With `blocks`, each view carries what its backend is predicted to
-        hold of the prompt (`PrefixTracker`)."""
+        hold of the prompt (`PrefixTracker`). `only`: choose among these backends alone (those
+        that serve the adapter or other name the request asked for)."""
         chosen = self._policy if policy is None else policy
         now_s = self._clock()
-        views = _excluding(self._table.views(model, now_s), exclude)
+        views = _excluding(self._table.views(model, now_s), exclude, only)
         if blocks is not None and self._prefix is not None:
             self._prefix.annotate(model, views, blocks)
         beta = self._betas[model].beta if model in self._betas else self._routing.beta_seed
@@ -225,11 +232,13 @@ class Forwarder:
                 max_age_s = self._routing.degraded_max_progress_age_s
                 if max_age_s <= 0:
                     raise
-                views = _excluding(self._table.degraded_views(model, now_s, max_age_s), exclude)
+                views = _excluding(
+                    self._table.degraded_views(model, now_s, max_age_s), exclude, only
+                )
                 chosen, degraded = self._degraded_policy, True
                 decision = chosen.select(route, views)
         except NoEligibleBackend:
-            raise self._none_available(model) from None
+            raise self._none_available(model, only) from None
         finally:
             elapsed_s = time.perf_counter() - started
             if policy is None:
@@ -277,11 +286,14 @@ class Forwarder:
         policy: Policy | None = None,
         blocks: PromptBlocks | None = None,
         affinity_key: str | None = None,
+        only: frozenset[str] | None = None,
     ) -> Response:
         """Send `inbound` to the best backend (chosen by `policy`, default the configured
         one) and return the response to relay. `blocks` (the prompt's block keys) and
         `affinity_key` (a session header) inform cache-aware and affinity policies; the
-        chosen backend's prefix entry holds `blocks` until the request ends.
+        chosen backend's prefix entry holds `blocks` until the request ends. `only`: the
+        backends that serve the name the request asked for (`inbound.served_model`: an
+        adapter or other name besides the model's own), the others are never tried.
 
         Retries (at most ``routing.max_retries``, each on a backend not tried yet) only what
         cannot have generated anything and what the client has seen nothing of: connect
@@ -302,13 +314,21 @@ class Forwarder:
         fresh = False  # the next attempt opens a connection of its own
         while attempts <= self._routing.max_retries:
             choose = functools.partial(
-                self.select, model, prompt_tokens, tried, trace, policy, blocks, affinity_key
+                self.select,
+                model,
+                prompt_tokens,
+                tried,
+                trace,
+                policy,
+                blocks,
+                affinity_key,
+                only,
             )
             try:
                 try:
                     url, view, chooser = choose()
-                except NoBackendAvailable:
-                    url, view, chooser = await self._choose_after_catch_up(model, choose)
+                except NoBackendAvailable as none:
+                    url, view, chooser = await self._choose_after_catch_up(model, choose, none)
             except NoBackendAvailable:
                 if not failures:
                     raise
@@ -366,11 +386,15 @@ class Forwarder:
             raise UpstreamTimeout(message)
         raise UpstreamError(message)
 
-    def _none_available(self, model: str) -> NoBackendAvailable:
+    def _none_available(self, model: str, only: frozenset[str] | None) -> NoBackendAvailable:
         """The 503 for `model` having no backend to route to, saying when some of its
         backends serve other models (a configuration error; their names are in the log,
-        not told to clients)."""
+        not told to clients), or when the request's adapter is served by `only` of them."""
         message = f"no eligible backend for model {model!r}"
+        if only is not None:
+            return NoBackendAvailable(
+                f"{message} among the {len(only)} that serve the requested name"
+            )
         elsewhere = len(self._table.serving_elsewhere(model))
         if elsewhere:
             total = len(self._table.backends(model))
@@ -381,21 +405,24 @@ class Forwarder:
         return NoBackendAvailable(message)
 
     async def _choose_after_catch_up(
-        self, model: str, choose: Callable[[], tuple[str, BackendView, Policy]]
+        self,
+        model: str,
+        choose: Callable[[], tuple[str, BackendView, Policy]],
+        none: NoBackendAvailable,
     ) -> tuple[str, BackendView, Policy]:
         """`choose()` found no backend. If that may be because pollers have not been running
         (`poller.pollers_behind`: the gateway's own process was not scheduled, as in a
         CPU-throttled container or a paused VM, and a backend only *looks* stale), wait
         at most one poll round (``routing.poll_interval_s + poll_timeout_s``) for their next
         outcomes and choose again after each; a request that arrived during the stall is
-        then served instead of getting a 503. Otherwise, or if still none, raise
-        `NoBackendAvailable`."""
+        then served instead of getting a 503. Otherwise, or if still none, raise `none`
+        (what `choose()` raised)."""
         round_s = self._routing.poll_interval_s + self._routing.poll_timeout_s
         started_s = self._clock()
         seen_s = self._table.last_outcome_s(model)
         behind = pollers_behind(self._table.backends(model), started_s, self._routing)
         if seen_s is None or not behind:
-            raise self._none_available(model)
+            raise none
         logger.warning(
             "polls of model %s are overdue (the gateway was not scheduled?): "
             "waiting up to %.1f s for the pollers",
@@ -409,7 +436,7 @@ class Forwarder:
                 seen_s = latest_s
                 with contextlib.suppress(NoBackendAvailable):
                     return choose()
-        raise self._none_available(model)
+        raise none
 
     async def _post_watched(
         self, url: str, body: bytes, headers: Mapping[str, str], ex: Exchange

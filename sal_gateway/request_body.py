@@ -70,6 +70,11 @@ class InboundRequest:
     truncate_to: int | None = None
     """``truncate_prompt_tokens``: vLLM cuts each prompt to this many tokens (-1: the
     context length), so longer prompts are not refused."""
+    served_model: str | None = None
+    """The name the client asked for when it is not a configured model but one its replicas
+    serve besides it (a LoRA adapter, another served name; `admission.resolve_served`):
+    `model` is then the configured model whose pool, tokenizer and limits apply, and the
+    body, forwarded as is, still names this one."""
 
     @property
     def upstream_path(self) -> str:

@@ -62,6 +62,6 @@ if [[ $# -eq 0 ]]; then
     tests/integration/test_engine_replica.py tests/integration/test_larry_tail_replica.py \
     tests/integration/test_deploy_engine_args.py tests/integration/test_gateway_vllm.py \
     tests/integration/test_gateway_vllm_api.py tests/integration/test_gateway_vllm_prefix.py \
-    tests/integration/test_gateway_vllm_decisions.py \
+    tests/integration/test_gateway_vllm_decisions.py tests/integration/test_gateway_vllm_lora.py \
     --deselect tests/integration/test_engine_replica.py::test_data_parallel_stats_aggregate_both_engines
 fi

@@ -15,7 +15,7 @@ block size is 128 tokens, so 512 blocks hold 65,536 tokens.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from engine_patch.replica import (
@@ -47,6 +47,7 @@ def run_replica(
     alpha: float = 1.0,
     extra_args: Sequence[str] = (),
     timeout_s: float = 300,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """Start a vLLM-on-CPU replica of `model_dir` on 127.0.0.1:`port` and yield its base URL.
 
@@ -55,10 +56,11 @@ def run_replica(
     command line (they override `DEFAULT_ARGS`). Yields once ``GET /health`` answers 200;
     on exit stops the replica by PID (SIGTERM, then SIGKILL after a grace period). Raises
     `ReplicaStartError` with the replica's log tail if it dies or is not healthy within
-    `timeout_s`. The log file is kept when the start or the body fails.
+    `timeout_s`. The log file is kept when the start or the body fails. `env` adds to the
+    replica's environment.
     """
     cmd = replica_command(model_dir, port, scheduler=scheduler, alpha=alpha, extra_args=extra_args)
-    replica = LocalReplica(cmd, port)
+    replica = LocalReplica(cmd, port, env=env)
     url = replica.start(timeout_s=timeout_s)
     try:
         yield url

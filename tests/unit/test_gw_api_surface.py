@@ -286,7 +286,10 @@ def test_models_listing_is_the_union_of_what_replicas_serve() -> None:
     catalog.update("tiny", "http://b", (card,))
     catalog.update("odd", "http://d", ({"id": "other-name"},))
     data = catalog.listing(pools, 1)
-    assert [m["id"] for m in data] == ["tiny", "embed"]  # "odd": its replica serves another
+    # "odd": its replica serves another name (not routable, so not listed); tiny's adapter
+    # follows tiny.
+    assert [m["id"] for m in data] == ["tiny", "tiny-lora", "embed"]
+    assert data[1]["sal_replicas"] == 1
     assert data[0]["owned_by"] == "vllm"
     assert data[0]["sal_replicas"] == 2
     assert data[0]["max_model_len"] == 2048

@@ -1,0 +1,122 @@
+"""LoRA adapters through the gateway, on two real vLLM-on-CPU replicas.
+
+Replica 1 starts with adapter ``lora-a`` (``--lora-modules``), replica 2 with none; both allow
+loading adapters at run time. Behind one gateway (SAL, the tiny model's tokenizer):
+
+* the openai SDK's requests for ``lora-a`` are all answered (replica 2 would answer vLLM's
+  404) and replica 2 runs none of them, while the base model is spread over both;
+* an adapter loaded on replica 2 with ``POST /v1/load_lora_adapter`` is served through the
+  gateway by the very next request (no wait for the periodic ``/v1/models`` read);
+* the gateway's ``/v1/models`` lists the adapters with their ``parent``; an unknown name is
+  the gateway's 404.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine_patch import tiny_model
+from tests.gateway_support import free_port, run_gateway, scrape_metrics
+from tests.vllm_support import DEFAULT_ARGS, run_replica
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = "tiny"
+MAX_MODEL_LEN = int(DEFAULT_ARGS[DEFAULT_ARGS.index("--max-model-len") + 1])
+LORA_ARGS = ("--served-model-name", MODEL, "--enable-lora", "--max-lora-rank", "8")
+RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, list[str], Path]]:
+    adapters = tmp_path_factory.mktemp("lora")
+    lora_a = tiny_model.build_lora(tiny_model_dir, adapters / "lora-a", seed=1)
+    tiny_model.build_lora(tiny_model_dir, adapters / "lora-b", seed=2)
+    with ExitStack() as stack:
+        first = free_port(19860, 19880)
+        with_a = (*LORA_ARGS, "--lora-modules", f"lora-a={lora_a}")
+        replicas = [
+            stack.enter_context(
+                run_replica(tiny_model_dir, port, extra_args=args, env=RUNTIME_LORA)
+            )
+            for port, args in ((first, with_a), (free_port(first + 1, 19880), LORA_ARGS))
+        ]
+        config = {
+            "listen": {"host": "127.0.0.1", "port": free_port(19880, 19899)},
+            "models": [
+                {
+                    "name": MODEL,
+                    "backends": replicas,
+                    "tokenizer": str(tiny_model_dir),
+                    "max_model_len": MAX_MODEL_LEN,
+                }
+            ],
+            "routing": {"policy": "sal", "poll_interval_s": 0.1, "stale_after_s": 5.0},
+            "log_level": "info",
+        }
+        url = stack.enter_context(run_gateway(config))
+        yield url, replicas, adapters
+
+
+def _succeeded(replica: str) -> float:
+    """Requests replica `replica`'s engine finished (vLLM's own counter, every reason)."""
+    samples = scrape_metrics(replica)
+    return sum(v for (name, _), v in samples.items() if name == "vllm:request_success_total")
+
+
+def test_adapter_requests_reach_only_the_replica_that_has_it(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    url, replicas, _ = fleet
+    before = [_succeeded(r) for r in replicas]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        for i in range(4):
+            out = client.completions.create(model="lora-a", prompt=f"hello {i}", max_tokens=4)
+            assert out.model == "lora-a"
+            assert out.usage is not None
+            assert out.usage.completion_tokens == 4
+        stream = client.chat.completions.create(
+            model="lora-a", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        )
+        assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
+        for i in range(6):
+            client.completions.create(model=MODEL, prompt=f"base {i} " * 30, max_tokens=2)
+    after = [_succeeded(r) for r in replicas]
+    assert after[0] - before[0] >= 5  # the five adapter requests, maybe base ones too
+    assert after[1] - before[1] <= 6  # base requests only
+    assert sum(after) - sum(before) == 11
+
+
+def test_an_adapter_loaded_at_run_time_is_served_at_once(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    url, replicas, adapters = fleet
+    load = {"lora_name": "lora-b", "lora_path": str(adapters / "lora-b")}
+    loaded = httpx.post(f"{replicas[1]}/v1/load_lora_adapter", json=load, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    body = {"model": "lora-b", "prompt": "x y z", "max_tokens": 2}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "lora-b"
+    listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+    assert listed["lora-a"]["parent"] == MODEL
+    assert listed["lora-a"]["sal_replicas"] == 1
+    assert listed["lora-b"]["parent"] == MODEL
+    assert listed["lora-b"]["sal_replicas"] == 1
+    assert listed[MODEL]["sal_replicas"] == 2
+
+
+def test_an_unknown_adapter_is_the_gateways_404(fleet: tuple[str, list[str], Path]) -> None:
+    url, _, _ = fleet
+    body = {"model": "lora-zzz", "prompt": "x", "max_tokens": 1}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 404
+    assert answer.json()["error"]["message"] == "The model `lora-zzz` does not exist."

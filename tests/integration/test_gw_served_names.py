@@ -1,0 +1,154 @@
+"""LoRA adapters and other served names through the gateway (fake backends, real sockets, the
+OpenAI SDK as client).
+
+What a user would notice if it broke: a request for an adapter that some replicas serve
+reaches only those replicas (the others would answer vLLM's 404), including an adapter loaded
+a moment ago; an unknown name is a prompt 404 however many clients send one, and never makes
+the gateway hammer the replicas' ``/v1/models``; a long prompt for an adapter is counted with
+the base model's tokenizer; an adapter whose replicas are down is a 503, not a request sent
+to a replica without it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from sal_gateway.model_catalog import RETRY_S
+from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
+
+RELAXED = {"stale_after_s": 5.0, "poll_timeout_s": 2.0, "eject_after_failures": 5}
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_model_dir: Path) -> Iterator[Rig]:
+    with gateway_rig(2, tokenizer=tiny_model_dir, max_model_len=200_000, routing=RELAXED) as r:
+        yield r
+
+
+@pytest.fixture
+def client(rig: Rig) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{rig.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _models_of(rig: Rig, index: int) -> list[str]:
+    return [b.get("model") for b in rig.fakes[index].received]
+
+
+def test_an_adapter_loaded_on_one_replica_is_served_by_that_replica_only(
+    rig: Rig, client: openai.OpenAI
+) -> None:
+    a = rig.fakes[0]
+    # Loaded after the gateway read the replicas' model lists: found on the first request.
+    a.adapters = ("lora-a",)
+    lookups_before = (
+        metric(rig.metrics(), "sal_prefix_lookup_prompt_tokens_total", backend=rig.served[0].url)
+        or 0.0
+    )
+    out = client.completions.create(model="lora-a", prompt="hello world", max_tokens=3)
+    assert out.model == "lora-a"
+    for i in range(3):
+        stream = client.chat.completions.create(
+            model="lora-a",
+            messages=[{"role": "user", "content": f"hi {i}"}],
+            max_tokens=2,
+            stream=True,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        client.completions.create(model="lora-a", prompt=f"p {i}", max_tokens=1)
+    assert _models_of(rig, 0).count("lora-a") == 7
+    assert "lora-a" not in _models_of(rig, 1)
+    listed = {m["id"]: m for m in httpx.get(f"{rig.url}/v1/models").json()["data"]}
+    assert listed["lora-a"]["parent"] == MODEL
+    assert listed["lora-a"]["sal_replicas"] == 1
+    assert listed[MODEL]["sal_replicas"] == 2
+    # Adapter prompts are not matched against the base model's prefix cache (vLLM keys an
+    # adapter's blocks by the adapter); base-model requests are.
+    text = rig.metrics()
+    lookups_after = (
+        metric(text, "sal_prefix_lookup_prompt_tokens_total", backend=rig.served[0].url) or 0.0
+    )
+    assert lookups_after == lookups_before
+    for _ in range(4):
+        client.completions.create(model=MODEL, prompt="hello world " * 20, max_tokens=1)
+    total = sum(
+        metric(rig.metrics(), "sal_prefix_lookup_prompt_tokens_total", backend=s.url) or 0.0
+        for s in rig.served
+    )
+    assert total > 0
+
+
+def test_unknown_names_are_prompt_404s_that_do_not_hammer_the_replicas(rig: Rig) -> None:
+    reads_before = [f.models_reads for f in rig.fakes]
+
+    def ask(_: int) -> httpx.Response:
+        body = {"model": f"nope-{uuid.uuid4().hex}", "prompt": "x", "max_tokens": 1}
+        return httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30.0)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(64)))
+    assert {r.status_code for r in answers} == {404}
+    assert all("does not exist" in r.json()["error"]["message"] for r in answers)
+    # One re-read per second at most, whatever the clients send (plus, rarely, a periodic one).
+    extra = [f.models_reads - n for f, n in zip(rig.fakes, reads_before, strict=True)]
+    assert max(extra) <= 4, extra
+    assert not any(str(m).startswith("nope-") for i in (0, 1) for m in _models_of(rig, i))
+
+
+def test_a_long_prompt_for_a_new_adapter_is_counted_with_the_base_tokenizer(rig: Rig) -> None:
+    b = rig.fakes[1]
+    b.adapters = ("lora-b",)
+    time.sleep(RETRY_S)  # the unknown names of another test may have just had their re-read
+    # Over 64 KiB: decoded and counted in a body worker, which has not heard of lora-b yet.
+    prompt = " ".join(f"word{i % 500}" for i in range(12_000))
+
+    def counted(model: str) -> float:
+        before = metric(rig.metrics(), "sal_prompt_tokens_total", model=MODEL) or 0.0
+        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 1}
+        r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=60.0)
+        assert r.status_code == 200, r.text
+        after = metric(rig.metrics(), "sal_prompt_tokens_total", model=MODEL) or 0.0
+        return after - before
+
+    by_adapter = counted("lora-b")
+    assert _models_of(rig, 1)[-1] == "lora-b"
+    by_base = counted(MODEL)
+    assert by_adapter == by_base > 12_000
+
+
+def test_an_adapter_whose_replicas_are_down_is_a_503_not_a_replica_without_it(
+    tiny_model_dir: Path,
+) -> None:
+    fast = {**RELAXED, "poll_interval_s": 0.05, "eject_after_failures": 2}
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=fast) as rig:
+        a, b = rig.fakes
+        a.adapters = ("lora-a",)
+        body = {"model": "lora-a", "prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30).status_code == 200
+        rig.served[0].stop()
+        wait_until(
+            lambda: (
+                httpx.get(f"{rig.url}/ready", timeout=5).json()["eligible_backends"] == {MODEL: 1}
+            )
+        )
+        # Degraded routing may still try the replica that answered moments ago (a 502 when
+        # its connect fails); once it has not for `stale_after_s`, the answer is the 503.
+        r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code in (502, 503), r.text
+        time.sleep(RELAXED["stale_after_s"] + 0.5)
+        r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert "serve the requested name" in r.json()["error"]["message"]
+        assert "lora-a" not in [m.get("model") for m in b.received]
+        # The base model still serves from the survivor.
+        body["model"] = MODEL
+        assert httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30).status_code == 200
