@@ -246,6 +246,7 @@ async def build_runtime(
     # proxied streams or a saturated event loop (a late poll would make a busy but healthy
     # backend look stale).
     poller = Poller(table, metrics, routing, clock)
+    catalog = ModelCatalog([m.name for m in config.models])
     forwarder = Forwarder(
         session=session,
         table=table,
@@ -261,10 +262,11 @@ async def build_runtime(
         clock=clock,
         prefix=prefix,
         drain=drain,
+        on_not_served=catalog.forget_name,
     )
     runtime = Runtime(
         config=config,
-        catalog=ModelCatalog([m.name for m in config.models]),
+        catalog=catalog,
         table=table,
         metrics=metrics,
         betas=betas,

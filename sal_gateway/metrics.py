@@ -137,7 +137,9 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "sal_retries",
-            "Connect failures before the first byte, retried elsewhere",
+            "Attempts that failed before the client saw anything (connect failure, stream "
+            "header timeout, a stream failing before its first byte, a 404 for an adapter the "
+            "backend no longer serves), retried elsewhere",
             _MB,
             registry=r,
         )

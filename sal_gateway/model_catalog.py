@@ -23,8 +23,9 @@ answer:
 
 A name the catalog does not know may have been loaded a moment ago (``/v1/load_lora_adapter``
 on the replicas): `ModelCatalog.refresh_now` has every refresh loop read its backends again
-at once and waits for those reads, within a bound, at most once per `RETRY_S` (requests naming
-unknown models cannot make the gateway poll faster than that).
+and waits for those reads, within a bound; such reads are at least `RETRY_S` apart (requests
+naming unknown models cannot make the gateway poll faster than that: a request within
+`RETRY_S` of the last read waits for the next).
 
 Each good answer is also handed to ``on_served(url, names)``: the app marks a backend whose
 answer lacks its model as not routable for it (`sal_gateway.state`), and such a backend is
@@ -120,6 +121,14 @@ class ModelCatalog:
             del self._cards[key]
             self._served = None
 
+    def forget_name(self, model: str, url: str, name: str) -> None:
+        """`url` (of `model`'s pool) answered 404 for `name`: drop it there until the
+        backend's next read says otherwise."""
+        cards = self._cards.get((model, url))
+        if cards is not None and any(c["id"] == name for c in cards):
+            self._cards[(model, url)] = tuple(c for c in cards if c["id"] != name)
+            self._served = None
+
     # --- names served besides the configured ones ----------------------------------------
 
     def served(self, name: str) -> ServedName | None:
@@ -159,22 +168,29 @@ class ModelCatalog:
     # --- reading again on demand ---------------------------------------------------------
 
     async def refresh_now(self, timeout_s: float) -> None:
-        """Have every running refresh loop read its backends again now and wait for those
-        reads (rounds begun after this call), at most `timeout_s`. Within `RETRY_S` of the
-        last demand this joins it instead (or returns at once when it is over)."""
+        """Have every running refresh loop read its backends again and wait for those reads
+        (rounds begun after the demand), at most `timeout_s`. Demands are at least `RETRY_S`
+        apart: within `RETRY_S` of the last one, the next is due then and the call waits for
+        it; a pending demand is joined. So however many requests name unknown models, each
+        backend's ``/v1/models`` is read at most once per `RETRY_S` on their account."""
         demand = self._demand
-        now_s = self._clock()
-        if demand is None or (demand.done.done() and now_s - demand.at_s >= RETRY_S):
+        if demand is None or demand.done.done():
             if not self._wake:
                 return
-            demand = self._demand = _Demand(now_s, set(self._wake))
-            for event in self._wake.values():
-                event.set()
-        if demand.done.done():
-            return
+            now_s = self._clock()
+            start_s = now_s if demand is None else max(now_s, demand.at_s + RETRY_S)
+            demand = self._demand = _Demand(start_s, set(self._wake))
+            if start_s <= now_s:
+                self._wake_loops()
+            else:
+                asyncio.get_running_loop().call_later(start_s - now_s, self._wake_loops)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await asyncio.shield(demand.done)
+
+    def _wake_loops(self) -> None:
+        for event in self._wake.values():
+            event.set()
 
     # The refresh loops' side (`refresh_models`).
 

@@ -69,7 +69,13 @@ from sal_core.policies import (
 from sal_gateway.accounting import Accounting
 from sal_gateway.config import ProxyConfig, RoutingConfig
 from sal_gateway.drain import Drain
-from sal_gateway.errors import GatewayError, NoBackendAvailable, UpstreamError, UpstreamTimeout
+from sal_gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoBackendAvailable,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.poller import pollers_behind
@@ -120,6 +126,7 @@ class _Retry(Exception):
         *,
         header_timeout: bool = False,
         blameless: bool = False,
+        not_served: bool = False,
     ) -> None:
         super().__init__(f"{url}: {cause}")
         self.url = url
@@ -128,6 +135,9 @@ class _Retry(Exception):
         self.blameless = blameless
         """Not the backend's fault: the keep-alive race (`upstream.is_stale_connection`) or
         a connect timeout from a stall of the gateway (`upstream.connect_held_up_by_stall`)."""
+        self.not_served = not_served
+        """The backend answered 404 for the adapter the request named: it no longer serves
+        it (unloaded, or restarted without it). Healthy otherwise: not held against it."""
 
 
 def _excluding(
@@ -164,8 +174,12 @@ class Forwarder:
         clock: Callable[[], float] = time.monotonic,
         prefix: PrefixTracker | None = None,
         drain: Drain | None = None,
+        on_not_served: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self._session = session
+        self._on_not_served = on_not_served
+        """``(model, url, name)``: `url` answered 404 for served name `name` (the catalog
+        forgets it there until its next ``/v1/models`` read)."""
         self._drain = drain
         self._fresh: aiohttp.ClientSession | None = None
         """One connection per request, for the retry after a stale pooled connection
@@ -367,6 +381,9 @@ class Forwarder:
                 ex.span.end(None, failure.cause)
                 StateTable.release(ex.ticket)
                 failures.append(failure)
+                if failure.not_served:  # another replica may still serve the adapter
+                    tried.add(url)
+                    continue
                 if failure.blameless and not fresh:
                     # The backend closed an idle pooled connection as the request went out
                     # on it, or the connect timed out only because this process stalled:
@@ -378,6 +395,8 @@ class Forwarder:
                 self._table.mark_suspect(model, url)
                 tried.add(url)
                 attempts += 1
+        if all(f.not_served for f in failures):
+            raise failures[-1].cause
         message = (
             f"could not reach a backend for model {model!r} after {len(tried)} attempt(s): "
             f"{failures[-1].cause}"
@@ -549,6 +568,8 @@ class Forwarder:
             self._metrics.requests.labels(model=ex.model, backend=url, status="499").inc()
             ex.span.end(None)
             raise
+        if resp.status == 404 and inbound.served_model is not None:
+            self._not_served(ex, inbound.served_model, resp)
         head = Head()
         if inbound.stream and is_event_stream(resp):
             ex.headers_at_s = asyncio.get_running_loop().time()
@@ -591,6 +612,22 @@ class Forwarder:
             self._count_first_byte_failure(ex, "empty")
             raise _Retry(ex.backend, UpstreamError("the stream ended without content"))
         return Head(read)
+
+    def _not_served(self, ex: Exchange, name: str, resp: aiohttp.ClientResponse) -> None:
+        """`ex.backend` answered 404 for the served name `name` (vLLM: "The model ... does
+        not exist"): nothing ran there. Tell the catalog and raise `_Retry` (`not_served`),
+        so the request goes to another replica serving it, or ends as the gateway's 404."""
+        resp.close()
+        logger.warning(
+            "%s answered 404 for %r, which its last /v1/models listed: it no longer serves "
+            "it (unloaded, or restarted without it); trying another replica",
+            ex.backend,
+            name,
+        )
+        if self._on_not_served is not None:
+            self._on_not_served(ex.model, ex.backend, name)
+        cause = ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        raise _Retry(ex.backend, cause, not_served=True)
 
     def _count_first_byte_failure(self, ex: Exchange, reason: str) -> None:
         self._metrics.first_byte_failures.labels(ex.model, ex.backend, reason).inc()

@@ -8,12 +8,16 @@ loading adapters at run time. Behind one gateway (SAL, the tiny model's tokenize
 * an adapter loaded on replica 2 with ``POST /v1/load_lora_adapter`` is served through the
   gateway by the very next request (no wait for the periodic ``/v1/models`` read);
 * the gateway's ``/v1/models`` lists the adapters with their ``parent``; an unknown name is
-  the gateway's 404.
+  the gateway's 404;
+* an adapter unloaded from one of two replicas that had it (``/v1/unload_lora_adapter``) is
+  served by the other: the client never sees the unloading replica's 404.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -22,7 +26,7 @@ import openai
 import pytest
 
 from engine_patch import tiny_model
-from tests.gateway_support import free_port, run_gateway, scrape_metrics
+from tests.gateway_support import free_port, metric, run_gateway, scrape_metrics
 from tests.vllm_support import DEFAULT_ARGS, run_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -120,3 +124,48 @@ def test_an_unknown_adapter_is_the_gateways_404(fleet: tuple[str, list[str], Pat
     answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
     assert answer.status_code == 404
     assert answer.json()["error"]["message"] == "The model `lora-zzz` does not exist."
+
+
+def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    url, replicas, adapters = fleet
+    load = {"lora_name": "lora-c", "lora_path": str(adapters / "lora-b")}
+    for replica in replicas:
+        loaded = httpx.post(f"{replica}/v1/load_lora_adapter", json=load, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+
+    def listed_on() -> int:
+        cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        return next((int(c["sal_replicas"]) for c in cards if c["id"] == "lora-c"), 0)
+
+    body = {"model": "lora-c", "prompt": "x y z", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 40  # the periodic read (models_refresh_s 15 s) finds both
+    while listed_on() < 2:
+        assert time.monotonic() < deadline, "the gateway never saw lora-c on both replicas"
+        time.sleep(0.5)
+    unloaded = httpx.post(
+        f"{replicas[1]}/v1/unload_lora_adapter", json={"lora_name": "lora-c"}, timeout=60
+    )
+    assert unloaded.status_code == 200, unloaded.text
+
+    # Replica 2 answers vLLM's 404 now; the gateway moves those requests to replica 1. Sent
+    # at once, so that SAL spreads them over both (one at a time, an idle fleet's ties all
+    # go to replica 1).
+    def ask(i: int) -> httpx.Response:
+        one = {**body, "prompt": f"after unload {i} " * 20, "max_tokens": 16}
+        return httpx.post(f"{url}/v1/completions", json=one, timeout=120)
+
+    def retried_from_replica_2() -> float:
+        samples = scrape_metrics(url)
+        return metric(samples, "sal_retries_total", model=MODEL, backend=replicas[1])
+
+    retried = retried_from_replica_2()
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(6)))
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    # Replica 2 was tried, answered 404, the request went on to replica 1, and replica 2 is
+    # no longer taken to serve lora-c.
+    assert retried_from_replica_2() > retried
+    assert listed_on() == 1

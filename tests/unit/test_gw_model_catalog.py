@@ -44,6 +44,18 @@ def test_a_backend_leaving_or_unloading_takes_its_names_along() -> None:
     assert catalog.served("lora-a") == ServedName("m2", frozenset({"u3"}), adapter=True)
 
 
+def test_a_404_for_a_name_drops_it_on_that_backend_only() -> None:
+    catalog = fleet()
+    catalog.forget_name("m1", "u2", "lora-a")
+    assert catalog.served("lora-a") == ServedName("m1", frozenset({"u1"}), adapter=True)
+    catalog.forget_name("m1", "u1", "lora-a")
+    assert catalog.served("lora-a") == ServedName("m2", frozenset({"u3"}), adapter=True)
+    catalog.forget_name("m1", "nowhere", "lora-a")  # a backend that left: nothing to do
+    # The next good read restores it.
+    catalog.update("m1", "u1", (card("m1"), card("lora-a", "m1")))
+    assert catalog.served("lora-a") == ServedName("m1", frozenset({"u1"}), adapter=True)
+
+
 def test_listing_shows_served_names_after_their_model() -> None:
     data = fleet().listing({"m1": ["u1", "u2"], "m2": ["u3"]}, now_s=0)
     assert [(c["id"], c["sal_replicas"]) for c in data] == [
@@ -103,11 +115,15 @@ async def test_a_flood_of_unknown_names_costs_one_read_per_retry_period() -> Non
         # All 200 waited for the same re-read, which took one fetch (~50 ms).
         assert reads == {"u1": 2, "u3": 2}
         assert time.monotonic() - started < 1.5
+        # Within RETRY_S of the last read: all wait for the next one, RETRY_S after it.
         await asyncio.gather(*(catalog.refresh_now(2.0) for _ in range(200)))
-        assert reads == {"u1": 2, "u3": 2}  # within RETRY_S of the last: no new read
-        await asyncio.sleep(RETRY_S)
-        await catalog.refresh_now(2.0)
         assert reads == {"u1": 3, "u3": 3}
+        assert time.monotonic() - started >= RETRY_S
+        await asyncio.sleep(RETRY_S)
+        second = time.monotonic()
+        await catalog.refresh_now(2.0)  # a second after the last: read at once
+        assert reads == {"u1": 4, "u3": 4}
+        assert time.monotonic() - second < 0.5
     finally:
         for t in tasks:
             t.cancel()
