@@ -9,7 +9,8 @@ own KV-cache events. Used by the gateway's state table and by the simulator's ro
 
 * `chain_hashes` turns token ids into one key per full block (chained: block i's key covers
   blocks 0..i). Python's hash of a tuple of ints is not salted, so keys agree across
-  processes and runs.
+  processes and runs. `adapter_keys` turns them into the keys of the same prompt under a
+  LoRA adapter (vLLM keys an adapter's blocks apart).
 * `PrefixIndex` keeps, per backend, an LRU set of block keys with a reference count of the
   in-flight requests that use each block (*held*: a running request's blocks cannot be
   evicted, and reusing them needs no new KV memory; unheld cached blocks are evictable, and
@@ -22,6 +23,7 @@ does); a lookup stops at the first missing block.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,16 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
         keys.append(parent)
     return keys
+
+
+def adapter_keys(keys: Sequence[int], adapter: str) -> tuple[int, ...]:
+    """`keys` (a prompt's `chain_hashes`) as the blocks of the same prompt run with LoRA
+    adapter `adapter`: vLLM puts the adapter in every block's hash, so they share no block
+    with the base model's or another adapter's. Key i still covers blocks 0..i. The name is
+    digested (not Python's per-process salted `hash` of a string), so keys agree across
+    processes."""
+    salt = int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "big")
+    return tuple(hash((salt, key)) for key in keys)
 
 
 @dataclass(frozen=True, slots=True)

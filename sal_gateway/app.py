@@ -53,12 +53,18 @@ from sal_gateway.errors import (
 from sal_gateway.front_door import FrontDoor
 from sal_gateway.loop_monitor import watch_loop
 from sal_gateway.metrics import GatewayMetrics
-from sal_gateway.model_catalog import READ_TIMEOUT_S, ModelCatalog, http_fetch, refresh_models
+from sal_gateway.model_catalog import (
+    READ_TIMEOUT_S,
+    ModelCatalog,
+    ServedName,
+    http_fetch,
+    refresh_models,
+)
 from sal_gateway.peers import BothCounts, PeerLink, PeerNetwork, group_of, open_peer_link
 from sal_gateway.poller import Poller
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.proxy import Forwarder, make_session
-from sal_gateway.request_body import Endpoint
+from sal_gateway.request_body import Endpoint, InboundRequest
 from sal_gateway.shared_accounting import SharedAccounting
 from sal_gateway.state import PeerCounts, StateTable
 from sal_gateway.template_pool import TemplatePool
@@ -342,6 +348,17 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
     return work_task.result()
 
 
+def _blocks(
+    rt: Runtime, inbound: InboundRequest, count: PromptCount, served: ServedName | None
+) -> PromptBlocks | None:
+    """The prompt's blocks for the prefix tracker: an adapter's are its own (vLLM keys them
+    by adapter), so they never match the base model's or another adapter's."""
+    blocks = rt.prompt_blocks(inbound.counted, count)
+    if blocks is None or served is None or not served.adapter or inbound.served_model is None:
+        return blocks
+    return blocks.for_adapter(inbound.served_model)
+
+
 async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Response:
     rt: Runtime = request.app.state.runtime
     model_label = "unknown"  # unconfigured names never become label values
@@ -363,8 +380,7 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
             load,
             trace=trace_of(request),
             policy=policy,
-            # An adapter's KV blocks are its own (vLLM keys them by adapter): no prediction.
-            blocks=None if served and served.adapter else rt.prompt_blocks(inbound.counted, count),
+            blocks=_blocks(rt, inbound, count, served),
             affinity_key=None if session is None else request.headers.get(session),
             only=None if served is None else served.urls,
         )

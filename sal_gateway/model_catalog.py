@@ -79,13 +79,17 @@ class ServedName:
 
 @dataclass(slots=True)
 class _Demand:
-    """An on-demand refresh: the loops still to finish a round begun after `at_s`."""
+    """An on-demand refresh, due at `at_s`: the loops still to finish a round begun after
+    it woke them."""
 
     at_s: float
     waiting: set[str]
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    rounds_at_wake: dict[str, int] | None = None
+    """Each loop's round number when the demand woke them (None: not yet); a round counts
+    for the demand when it began later."""
 
 
 class ModelCatalog:
@@ -105,6 +109,8 @@ class ModelCatalog:
         """Served name -> where it is served (rebuilt after a change)."""
         self._wake: dict[str, asyncio.Event] = {}
         self._demand: _Demand | None = None
+        self._rounds: dict[str, int] = {}
+        """Rounds of reads each refresh loop has begun."""
 
     def update(self, model: str, url: str, cards: tuple[Card, ...]) -> None:
         if self._cards.get((model, url)) != cards:
@@ -189,16 +195,20 @@ class ModelCatalog:
                 await asyncio.shield(demand.done)
 
     def _wake_loops(self) -> None:
+        if self._demand is not None:
+            self._demand.rounds_at_wake = dict(self._rounds)
         for event in self._wake.values():
             event.set()
 
     # The refresh loops' side (`refresh_models`).
 
-    def now_s(self) -> float:
-        return self._clock()
-
     def loop_started(self, model: str) -> None:
         self._wake.setdefault(model, asyncio.Event())
+
+    def begin_round(self, model: str) -> int:
+        """`model`'s loop begins a round of reads: its number (for `round_done`)."""
+        self._rounds[model] = self._rounds.get(model, 0) + 1
+        return self._rounds[model]
 
     async def pause(self, model: str, delay_s: float) -> None:
         """A refresh loop's wait between rounds: `delay_s`, or until a demand wakes it."""
@@ -208,11 +218,13 @@ class ModelCatalog:
                 await event.wait()
         event.clear()
 
-    def round_done(self, model: str, started_s: float) -> None:
-        """`model`'s loop finished a round of reads it began at `started_s`."""
+    def round_done(self, model: str, round_number: int) -> None:
+        """`model`'s loop finished round `round_number` (`begin_round`)."""
         demand = self._demand
-        if demand is None or demand.done.done() or started_s < demand.at_s:
+        if demand is None or demand.done.done() or demand.rounds_at_wake is None:
             return
+        if round_number <= demand.rounds_at_wake.get(model, 0):
+            return  # begun before the demand woke the loops: may predate what it looks for
         demand.waiting.discard(model)
         if not demand.waiting:
             demand.done.set_result(None)
@@ -322,7 +334,7 @@ async def _refresh_loop(
     elsewhere: set[str] = set()
     catalog.loop_started(model)
     while True:
-        started_s = catalog.now_s()
+        round_number = catalog.begin_round(model)
         urls = backends()
         catalog.retain(model, urls)
         elsewhere.intersection_update(urls)
@@ -338,6 +350,6 @@ async def _refresh_loop(
                 elsewhere.add(url)
             if on_served is not None:
                 on_served(url, names)
-        catalog.round_done(model, started_s)
+        catalog.round_done(model, round_number)
         waiting = bool(elsewhere) or any(not catalog.known(model, u) for u in urls)
         await catalog.pause(model, min(RETRY_S, interval_s) if waiting else interval_s)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sal_core.policies import BackendView
-from sal_core.prefix import PrefixIndex
+from sal_core.prefix import PrefixIndex, adapter_keys
 from sal_core.stats import ReplicaStats
 
 MODES = ("off", "approximate", "kv_events")
@@ -43,6 +43,10 @@ class PromptBlocks:
     """Chained keys of its full blocks (`sal_core.prefix.chain_hashes`)."""
     prompt_tokens: int
     """Its prompt tokens (one engine request's)."""
+
+    def for_adapter(self, adapter: str) -> PromptBlocks:
+        """The same prompt run with LoRA adapter `adapter` (its own blocks in vLLM's cache)."""
+        return PromptBlocks(adapter_keys(self.keys, adapter), self.prompt_tokens)
 
 
 @dataclass(slots=True)

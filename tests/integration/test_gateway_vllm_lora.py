@@ -169,3 +169,37 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
     # no longer taken to serve lora-c.
     assert retried_from_replica_2() > retried
     assert listed_on() == 1
+
+
+def test_an_adapters_repeated_prompt_is_predicted_as_vllm_hits_it(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    # vLLM caches an adapter's blocks apart from the base model's. The gateway's prediction
+    # for the adapter's second identical prompt equals the hit vLLM then reports, and the
+    # same text for the base model is predicted to hit nothing on that replica.
+    url, replicas, _ = fleet
+    holder = replicas[0]  # the only replica with lora-a
+    prompt = "the cache of a request " * 150  # about 750 tokens: 5 full blocks of 128
+
+    def counters() -> tuple[float, float]:
+        samples = scrape_metrics(url)
+        return (
+            metric(samples, "sal_prefix_predicted_hit_tokens_total", model=MODEL, backend=holder),
+            metric(samples, "sal_prefix_engine_hit_tokens_total", model=MODEL, backend=holder),
+        )
+
+    def send(model: str) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+
+    send("lora-a")
+    time.sleep(1.0)  # a poll carries vLLM's counters
+    predicted, hit = counters()
+    send("lora-a")
+    deadline = time.monotonic() + 20
+    while counters()[1] == hit:
+        assert time.monotonic() < deadline, "vLLM reported no prefix hit for the repeat"
+        time.sleep(0.2)
+    predicted_after, hit_after = counters()
+    assert predicted_after - predicted == hit_after - hit > 0

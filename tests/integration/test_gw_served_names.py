@@ -12,6 +12,7 @@ and is the gateway's 404 once no replica has it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from engine_sim.fake_vllm import default_stats
 from sal_gateway.model_catalog import RETRY_S
 from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
@@ -51,10 +53,6 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_that_replica_only(
     a = rig.fakes[0]
     # Loaded after the gateway read the replicas' model lists: found on the first request.
     a.adapters = ("lora-a",)
-    lookups_before = (
-        metric(rig.metrics(), "sal_prefix_lookup_prompt_tokens_total", backend=rig.served[0].url)
-        or 0.0
-    )
     out = client.completions.create(model="lora-a", prompt="hello world", max_tokens=3)
     assert out.model == "lora-a"
     for i in range(3):
@@ -72,20 +70,39 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_that_replica_only(
     assert listed["lora-a"]["parent"] == MODEL
     assert listed["lora-a"]["sal_replicas"] == 1
     assert listed[MODEL]["sal_replicas"] == 2
-    # Adapter prompts are not matched against the base model's prefix cache (vLLM keys an
-    # adapter's blocks by the adapter); base-model requests are.
-    text = rig.metrics()
-    lookups_after = (
-        metric(text, "sal_prefix_lookup_prompt_tokens_total", backend=rig.served[0].url) or 0.0
-    )
-    assert lookups_after == lookups_before
-    for _ in range(4):
-        client.completions.create(model=MODEL, prompt="hello world " * 20, max_tokens=1)
-    total = sum(
-        metric(rig.metrics(), "sal_prefix_lookup_prompt_tokens_total", backend=s.url) or 0.0
-        for s in rig.served
-    )
-    assert total > 0
+
+
+def test_an_adapters_prompts_are_matched_against_its_own_cached_blocks(rig: Rig) -> None:
+    # vLLM keys an adapter's KV blocks by the adapter: a repeated adapter prompt is a hit on
+    # the replica that ran it, and the same text for the base model matches nothing there.
+    for fake in rig.fakes:
+        fake.stats = dataclasses.replace(default_stats(), prefix_caching=True)
+    rig.fakes[0].adapters = ("lora-a",)
+
+    def predicted() -> float:
+        text = rig.metrics()
+        return sum(
+            metric(text, "sal_prefix_predicted_hit_tokens_total", backend=s.url) or 0.0
+            for s in rig.served
+        )
+
+    def send(model: str) -> None:
+        body = {"model": model, "prompt": "the same long prompt " * 40, "max_tokens": 1}
+        r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+
+    def repeated_adapter_prompt_hits() -> bool:
+        send("lora-a")  # until the gateway has seen the replicas' caching switched on
+        return predicted() > 0
+
+    wait_until(repeated_adapter_prompt_hits)
+    before = predicted()
+    # The same text for the base model (sent where the adapter's blocks are, replica a, the
+    # first of two idle replicas): none of its blocks is cached anywhere.
+    send(MODEL)
+    assert predicted() == before
+    send(MODEL)
+    assert predicted() > before  # now they are
 
 
 def test_unknown_names_are_prompt_404s_that_do_not_hammer_the_replicas(rig: Rig) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sal_core.prefix import PrefixIndex, PrefixMatch, chain_hashes
+from sal_core.prefix import PrefixIndex, PrefixMatch, adapter_keys, chain_hashes
 
 
 def test_chain_hashes_key_full_blocks_by_their_whole_prefix() -> None:
@@ -72,3 +75,34 @@ def test_index_never_exceeds_capacity_once_nothing_is_held(
         assert found.held_blocks <= found.cached_blocks
         index.release("a", keys)
         assert index.size("a") <= capacity
+
+
+def test_an_adapters_keys_match_nothing_of_the_base_or_another_adapter() -> None:
+    keys = chain_hashes(list(range(64)), 16)
+    a, b = adapter_keys(keys, "lora-a"), adapter_keys(keys, "lora-b")
+    assert len(a) == len(keys)
+    assert not set(a) & set(keys)
+    assert not set(a) & set(b)
+    assert adapter_keys(keys, "lora-a") == a
+    # Chained like the base keys: a shorter prompt's keys are a prefix of a longer one's.
+    assert adapter_keys(chain_hashes(list(range(32)), 16), "lora-a") == a[:2]
+
+
+def test_adapter_keys_agree_across_processes() -> None:
+    # The gateway's workers and its body workers are separate processes with their own
+    # string-hash salt; an adapter's keys must not depend on it.
+    code = (
+        "from sal_core.prefix import adapter_keys, chain_hashes;"
+        "print(adapter_keys(chain_hashes(list(range(48)), 16), 'lora-a'))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1
