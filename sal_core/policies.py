@@ -386,21 +386,29 @@ class SALNearBest(SAL):
 
 
 class RoundRobin(Policy):
-    """Cycle through the pool by position, skipping backends that are not eligible."""
+    """Cycle through the pool by position, skipping backends that are not eligible. Each
+    pool (the backends' URLs, in order) keeps its own place, so requests choosing among a
+    subset (a LoRA adapter's replicas) do not pull the full pool's rotation onto one."""
 
     name = "round_robin"
+    MAX_POOLS = 1024
+    """Places kept at most (pools change with discovery and adapters); then all restart."""
 
     def __init__(self, seed: int | None = None, settings: PolicySettings | None = None) -> None:
         super().__init__(seed, settings)
-        self._next = 0
+        self._next: dict[tuple[str, ...], int] = {}
 
     def select(self, request: RouteRequest, backends: Sequence[BackendView]) -> Decision:
         _eligible(backends)
+        pool = tuple(b.url for b in backends)
+        start = self._next.get(pool, 0)
         n = len(backends)
         for step in range(n):
-            i = (self._next + step) % n
+            i = (start + step) % n
             if backends[i].eligible:
-                self._next = (i + 1) % n
+                if pool not in self._next and len(self._next) >= self.MAX_POOLS:
+                    self._next.clear()
+                self._next[pool] = (i + 1) % n
                 return Decision(index=i, url=backends[i].url, score=0.0)
         raise NoEligibleBackend("no eligible backend")  # pragma: no cover - guarded above
 

@@ -221,10 +221,7 @@ async def resolve_served(
     name = inbound.model
     if name in rt.counters:
         return inbound, None
-    served = rt.catalog.served(name)
-    if served is None:
-        await rt.catalog.refresh_now(SERVED_REFRESH_S)
-        served = rt.catalog.served(name)
+    served = await rt.catalog.find(name, SERVED_REFRESH_S)
     if served is None or served.model not in rt.counters:
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
     return dataclasses.replace(inbound, model=served.model, served_model=name), served
@@ -273,24 +270,26 @@ async def admit(
         raw = await read_body(request, rt.config.proxy.max_body_bytes, deadline_s)
         count: PromptCount | None = None
         bodies = rt.bodies
-        in_worker = False
+        sent: dict[str, str] | None = None  # the served names a body worker counted with
         if bodies is not None and len(raw) > INLINE_BODY_BYTES:
+            sent = rt.catalog.aliases()
             inbound, count, raw = await bodies.admit(
-                raw, endpoint, max_n, default_model(rt), _block_sizes(rt), rt.catalog.aliases()
+                raw, endpoint, max_n, default_model(rt), _block_sizes(rt), sent
             )
-            in_worker = True
         else:
             inbound = _parse_inline(raw, endpoint, rt)
             inline_chars = rt.config.proxy.tokenize_in_thread_chars
             if bodies is not None and _costly_to_count(inbound, inline_chars):
+                sent = rt.catalog.aliases()
                 inbound, count, raw = await bodies.admit(
-                    raw, endpoint, max_n, default_model(rt), _block_sizes(rt), rt.catalog.aliases()
+                    raw, endpoint, max_n, default_model(rt), _block_sizes(rt), sent
                 )
-                in_worker = True
         asked = inbound.model
         inbound, served = await resolve_served(rt, inbound)
-        if bodies is not None and in_worker and count is None and served is not None:
-            # The name was learnt while the worker counted: count it there again, by model.
+        recount = sent is not None and served is not None and sent.get(asked) != served.model
+        if bodies is not None and served is not None and recount:
+            # The worker did not know the name (learnt since) or counted it as another
+            # model's: count it there again, as this one.
             again, count, raw = await bodies.admit(
                 raw, endpoint, max_n, default_model(rt), _block_sizes(rt), {asked: served.model}
             )

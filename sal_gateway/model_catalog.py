@@ -111,11 +111,23 @@ class ModelCatalog:
         self._demand: _Demand | None = None
         self._rounds: dict[str, int] = {}
         """Rounds of reads each refresh loop has begun."""
+        self._aliases: dict[str, str] | None = None
+        self._change: asyncio.Future[None] | None = None
+        """Resolved at the next change of the cards (`find` waits on it)."""
 
     def update(self, model: str, url: str, cards: tuple[Card, ...]) -> None:
         if self._cards.get((model, url)) != cards:
-            self._served = None
+            self._changed()
         self._cards[(model, url)] = cards
+
+    def _changed(self) -> None:
+        """The served names may differ now: rebuild the index on next use, and wake the
+        requests waiting for a name (`find`)."""
+        self._served = None
+        self._aliases = None
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
 
     def known(self, model: str, url: str) -> bool:
         return (model, url) in self._cards
@@ -125,7 +137,7 @@ class ModelCatalog:
         keep = set(urls)
         for key in [k for k in self._cards if k[0] == model and k[1] not in keep]:
             del self._cards[key]
-            self._served = None
+            self._changed()
 
     def forget_name(self, model: str, url: str, name: str) -> None:
         """`url` (of `model`'s pool) answered 404 for `name`: drop it there until the
@@ -133,7 +145,7 @@ class ModelCatalog:
         cards = self._cards.get((model, url))
         if cards is not None and any(c["id"] == name for c in cards):
             self._cards[(model, url)] = tuple(c for c in cards if c["id"] != name)
-            self._served = None
+            self._changed()
 
     # --- names served besides the configured ones ----------------------------------------
 
@@ -142,8 +154,11 @@ class ModelCatalog:
         return self._served_index().get(name)
 
     def aliases(self) -> dict[str, str]:
-        """Every served name -> its configured model (for the body workers' counting)."""
-        return {name: s.model for name, s in self._served_index().items()}
+        """Every served name -> its configured model (for the body workers' counting; kept
+        until the names change: do not modify)."""
+        if self._aliases is None:
+            self._aliases = {name: s.model for name, s in self._served_index().items()}
+        return self._aliases
 
     def _served_index(self) -> dict[str, ServedName]:
         if self._served is not None:
@@ -173,16 +188,53 @@ class ModelCatalog:
 
     # --- reading again on demand ---------------------------------------------------------
 
+    async def find(self, name: str, timeout_s: float) -> ServedName | None:
+        """Where `name` is served, reading the backends' model lists again first when it is
+        not known (`refresh_now`), and returning as soon as a read shows it, at most after
+        `timeout_s`; None: not served anywhere."""
+        served = self.served(name)
+        if served is not None:
+            return served
+        demand = self._demand_now()
+        if demand is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not demand.done.done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            if self._change is None:
+                self._change = loop.create_future()
+            await asyncio.wait(
+                (demand.done, self._change), timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+            served = self.served(name)
+            if served is not None:
+                return served
+        return self.served(name)
+
     async def refresh_now(self, timeout_s: float) -> None:
         """Have every running refresh loop read its backends again and wait for those reads
         (rounds begun after the demand), at most `timeout_s`. Demands are at least `RETRY_S`
         apart: within `RETRY_S` of the last one, the next is due then and the call waits for
         it; a pending demand is joined. So however many requests name unknown models, each
-        backend's ``/v1/models`` is read at most once per `RETRY_S` on their account."""
+        backend's ``/v1/models`` is read at most once per `RETRY_S` on their account (per
+        gateway process)."""
+        demand = self._demand_now()
+        if demand is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(demand.done)
+
+    def _demand_now(self) -> _Demand | None:
+        """The pending demand, or a new one (due now, or `RETRY_S` after the last); None
+        when no refresh loop runs."""
         demand = self._demand
         if demand is None or demand.done.done():
             if not self._wake:
-                return
+                return None
             now_s = self._clock()
             start_s = now_s if demand is None else max(now_s, demand.at_s + RETRY_S)
             demand = self._demand = _Demand(start_s, set(self._wake))
@@ -190,9 +242,7 @@ class ModelCatalog:
                 self._wake_loops()
             else:
                 asyncio.get_running_loop().call_later(start_s - now_s, self._wake_loops)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await asyncio.shield(demand.done)
+        return demand
 
     def _wake_loops(self) -> None:
         if self._demand is not None:
@@ -272,6 +322,21 @@ class ModelCatalog:
         return data
 
 
+def says_model_missing(body: bytes) -> bool:
+    """Whether `body` is vLLM's answer to a model it does not serve: an OpenAI error whose
+    ``param`` is ``model`` or whose message is "The model `...` does not exist."."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    error = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(error, dict):
+        return False
+    message = error.get("message")
+    named = isinstance(message, str) and message.startswith("The model `")
+    return error.get("param") == "model" or (named and "does not exist" in str(message))
+
+
 def parse_cards(body: bytes) -> tuple[Card, ...] | None:
     """The model cards of a ``/v1/models`` answer; None when it is not one."""
     if len(body) > MAX_MODELS_BYTES:
@@ -333,23 +398,30 @@ async def _refresh_loop(
 ) -> None:
     elsewhere: set[str] = set()
     catalog.loop_started(model)
+
+    async def read(url: str) -> None:
+        # Each backend's answer is used as soon as it comes: a slow one does not hold back
+        # the others (nor the requests waiting for a name, `ModelCatalog.find`).
+        cards = await fetch(url)
+        if cards is None:
+            return
+        catalog.update(model, url, cards)
+        names = tuple(str(c["id"]) for c in cards)
+        if model in names:
+            elsewhere.discard(url)
+        else:
+            elsewhere.add(url)
+        if on_served is not None:
+            on_served(url, names)
+
     while True:
         round_number = catalog.begin_round(model)
         urls = backends()
         catalog.retain(model, urls)
         elsewhere.intersection_update(urls)
-        results = await asyncio.gather(*(fetch(u) for u in urls))
-        for url, cards in zip(urls, results, strict=True):
-            if cards is None:
-                continue
-            catalog.update(model, url, cards)
-            names = tuple(str(c["id"]) for c in cards)
-            if model in names:
-                elsewhere.discard(url)
-            else:
-                elsewhere.add(url)
-            if on_served is not None:
-                on_served(url, names)
+        async with asyncio.TaskGroup() as group:
+            for url in urls:
+                group.create_task(read(url))
         catalog.round_done(model, round_number)
         waiting = bool(elsewhere) or any(not catalog.known(model, u) for u in urls)
         await catalog.pause(model, min(RETRY_S, interval_s) if waiting else interval_s)

@@ -78,6 +78,7 @@ from sal_gateway.errors import (
 )
 from sal_gateway.idle_watch import IdleWatch
 from sal_gateway.metrics import GatewayMetrics
+from sal_gateway.model_catalog import says_model_missing
 from sal_gateway.poller import pollers_behind
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from sal_gateway.relay import (
@@ -140,11 +141,16 @@ class _Retry(Exception):
         it (unloaded, or restarted without it). Healthy otherwise: not held against it."""
 
 
+NOT_FOUND_READ_BYTES = 64 * 1024
+"""How much of a 404 for a served name is read to tell vLLM's "model does not exist"."""
+
+
 def _excluding(
     views: list[BackendView], exclude: set[str], only: frozenset[str] | None = None
 ) -> list[BackendView]:
-    """`views` with the backends in `exclude` (already tried), and those not in `only` (when
-    given: the backends serving the requested adapter), dropped from the choice."""
+    """`views` without the backends not in `only` (when given: those serving the requested
+    adapter; the policy sees that smaller pool, and round robin rotates through it apart),
+    and with those in `exclude` (already tried) made ineligible."""
     if only is not None:
         views = [v for v in views if v.url in only]
     if not exclude:
@@ -316,7 +322,10 @@ class Forwarder:
         backend closed as the request went out is retried once more, on a new connection,
         without holding it against the backend. Each failed connection is
         closed first, so vLLM aborts what it had accepted. All attempts failed: 502, or 504
-        when every one was a header timeout."""
+        when every one was a header timeout. A backend's vLLM "model does not exist" 404 for
+        the adapter the request named moves it to another backend in `only` (no retry spent);
+        when every backend in `only` said so, the client gets that 404 (503 while some could
+        not be tried)."""
         model = inbound.model
         tried: set[str] = set()
         failures: list[_Retry] = []
@@ -383,6 +392,7 @@ class Forwarder:
                 failures.append(failure)
                 if failure.not_served:  # another replica may still serve the adapter
                     tried.add(url)
+                    fresh = False
                     continue
                 if failure.blameless and not fresh:
                     # The backend closed an idle pooled connection as the request went out
@@ -395,13 +405,16 @@ class Forwarder:
                 self._table.mark_suspect(model, url)
                 tried.add(url)
                 attempts += 1
-        if all(f.not_served for f in failures):
-            raise failures[-1].cause
+        reached = [f for f in failures if not f.not_served]
+        if not reached:
+            if only is not None and only <= tried:
+                raise failures[-1].cause  # every replica that listed the name: not any more
+            raise self._none_available(model, only)  # the others may serve it again soon
         message = (
-            f"could not reach a backend for model {model!r} after {len(tried)} attempt(s): "
-            f"{failures[-1].cause}"
+            f"could not reach a backend for model {model!r} after {len(reached)} attempt(s): "
+            f"{reached[-1].cause}"
         )
-        if all(f.header_timeout for f in failures):
+        if all(f.header_timeout for f in reached):
             raise UpstreamTimeout(message)
         raise UpstreamError(message)
 
@@ -568,13 +581,14 @@ class Forwarder:
             self._metrics.requests.labels(model=ex.model, backend=url, status="499").inc()
             ex.span.end(None)
             raise
+        read = b""
         if resp.status == 404 and inbound.served_model is not None:
-            self._not_served(ex, inbound.served_model, resp)
+            read = await self._read_404(ex, inbound.served_model, resp)
         head = Head()
         if inbound.stream and is_event_stream(resp):
             ex.headers_at_s = asyncio.get_running_loop().time()
             head = await self._first_body(ex, resp)
-        return await relay_answer(self.accounting, ex, resp, inbound.stream, head)
+        return await relay_answer(self.accounting, ex, resp, inbound.stream, head, read)
 
     async def _first_body(self, ex: Exchange, resp: aiohttp.ClientResponse) -> Head:
         """Wait (at most ``proxy.first_byte_hold_s``) for a 200 stream's first content
@@ -613,10 +627,26 @@ class Forwarder:
             raise _Retry(ex.backend, UpstreamError("the stream ended without content"))
         return Head(read)
 
-    def _not_served(self, ex: Exchange, name: str, resp: aiohttp.ClientResponse) -> None:
-        """`ex.backend` answered 404 for the served name `name` (vLLM: "The model ... does
-        not exist"): nothing ran there. Tell the catalog and raise `_Retry` (`not_served`),
-        so the request goes to another replica serving it, or ends as the gateway's 404."""
+    async def _read_404(self, ex: Exchange, name: str, resp: aiohttp.ClientResponse) -> bytes:
+        """`ex.backend` answered 404 to a request for the served name `name`: read the
+        answer (at most `NOT_FOUND_READ_BYTES`, within the request's bounds). vLLM's "The
+        model ... does not exist" (`says_model_missing`) means nothing ran there: tell the
+        catalog and raise `_Retry` (`not_served`), so the request goes to another replica
+        serving it. Any other 404 (a stored response another replica holds, a route this
+        vLLM lacks) is returned, to be relayed as it is."""
+        read = b""
+        try:
+            while len(read) <= NOT_FOUND_READ_BYTES and (chunk := await resp.content.readany()):
+                read += chunk
+        except (aiohttp.ClientError, TimeoutError):
+            return read  # the relay reads on and reports the failure
+        except BaseException:  # cancelled: the client went away
+            resp.close()
+            self.accounting.upstream_cancelled(ex, "client_disconnect")
+            self.accounting.finish(ex, 499, None)
+            raise
+        if not says_model_missing(read):
+            return read
         resp.close()
         logger.warning(
             "%s answered 404 for %r, which its last /v1/models listed: it no longer serves "

@@ -416,12 +416,13 @@ async def relay_answer(
     resp: aiohttp.ClientResponse,
     stream: bool,
     head: Head | None = None,
+    read: bytes = b"",
 ) -> Response:
     """The client's response for `resp` (its headers received): a `RelayResponse` for a
     requested stream the backend answers with 200 ``text/event-stream``, otherwise the body
     with the backend's status: read whole (bounded by the request's aiohttp timeout) when it
     is at most `BUFFERED_BODY_BYTES`, else a `PassThroughResponse` relaying it as it comes.
-    `head`: what the forwarder already read of the stream's body.
+    `head`: what the forwarder already read of the stream's body; `read`: of another body.
 
     A body that breaks while being read: `UpstreamError` (`UpstreamTimeout` past the total
     bound), already counted. Every path but the returned `RelayResponse` settles `ex`."""
@@ -431,7 +432,8 @@ async def relay_answer(
         headers = response_headers(resp)
         return RelayResponse(settler, ex, resp, headers, content_type, head or Head())
     try:
-        body, whole = await _read_up_to(resp, BUFFERED_BODY_BYTES)
+        body, whole = await _read_up_to(resp, BUFFERED_BODY_BYTES - len(read))
+        body = read + body
     except (aiohttp.ClientError, TimeoutError) as exc:
         resp.close()
         ex.span.outcome(type(exc).__name__)

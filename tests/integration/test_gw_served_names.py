@@ -206,3 +206,65 @@ def test_an_adapter_unloaded_from_a_replica_is_served_by_the_others_then_404(
         assert r.json()["error"]["message"] == "The model `lora-u` does not exist."
         healthy = [metric(rig.metrics(), "sal_backend_healthy", backend=s.url) for s in rig.served]
         assert healthy == [1.0, 1.0]  # a 404 for an adapter is not held against a replica
+
+
+def test_a_404_not_about_the_model_is_relayed_and_the_replica_keeps_the_adapter(
+    tiny_model_dir: Path,
+) -> None:
+    # vLLM also answers 404 for other reasons (a stored response another replica holds, a
+    # route its version lacks): that answer reaches the client as it is, and says nothing
+    # about the adapter.
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=RELAXED) as rig:
+        a = rig.fakes[0]
+        a.adapters = ("lora-r",)
+        body = {"model": "lora-r", "prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30).status_code == 200
+        a.behaviour.fail_status = 404
+        r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "fake failure"
+        a.behaviour.fail_status = None
+        assert httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert _models_of(rig, 0).count("lora-r") == 3
+        assert "lora-r" not in _models_of(rig, 1)
+
+
+def test_round_robin_keeps_its_rotation_beside_adapter_requests(tiny_model_dir: Path) -> None:
+    # Adapter requests choose among fewer replicas; the base model's rotation must not
+    # collapse onto one replica when the two kinds alternate.
+    routing = {**RELAXED, "policy": "round_robin"}
+    with gateway_rig(4, tokenizer=tiny_model_dir, routing=routing) as rig:
+        rig.fakes[2].adapters = rig.fakes[3].adapters = ("lora-rr",)
+        for i in range(8):
+            for model in (MODEL, "lora-rr"):
+                body = {"model": model, "prompt": f"p {i}", "max_tokens": 1}
+                r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+        base = [_models_of(rig, i).count(MODEL) for i in range(4)]
+        adapter = [_models_of(rig, i).count("lora-rr") for i in range(4)]
+        assert sum(1 for n in base if n) >= 3, base
+        assert adapter[:2] == [0, 0]
+        assert min(adapter[2:]) >= 1, adapter
+
+
+def test_an_adapter_gone_from_the_reachable_replica_is_a_503_while_another_may_have_it(
+    tiny_model_dir: Path,
+) -> None:
+    # lora-g was listed by both replicas; b is down (not tried), a answers vLLM's 404. The
+    # client gets a 503 (retry later: b may come back with it), not a 404 (it does not exist).
+    fast = {**RELAXED, "poll_interval_s": 0.05, "eject_after_failures": 2}
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=fast) as rig:
+        a, b = rig.fakes
+        a.adapters = b.adapters = ("lora-g",)
+        body = {"model": "lora-g", "prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30).status_code == 200
+        rig.served[1].stop()
+        wait_until(
+            lambda: (
+                httpx.get(f"{rig.url}/ready", timeout=5).json()["eligible_backends"] == {MODEL: 1}
+            )
+        )
+        time.sleep(RELAXED["stale_after_s"] + 0.5)  # b is no degraded candidate any more
+        a.adapters = ()
+        r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text

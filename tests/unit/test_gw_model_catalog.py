@@ -174,3 +174,30 @@ def test_a_card_without_parent_is_an_alias_with_one_an_adapter(parent: str | Non
     served = catalog.served("x")
     assert served is not None
     assert served.adapter is (parent is not None)
+
+
+async def test_find_returns_as_soon_as_a_backend_lists_the_name_while_another_hangs() -> None:
+    catalog = ModelCatalog(["m1"])
+    served = {"u1": ["m1"]}
+    slow = asyncio.Event()
+
+    async def fetch(url: str) -> tuple[Card, ...]:
+        if url == "u2" and slow.is_set():
+            await asyncio.sleep(30)  # an unreachable replica: the read's own timeout is 5 s
+        return tuple(card(n, None if n == "m1" else "m1") for n in served.get(url, ["m1"]))
+
+    task = asyncio.create_task(refresh_models("m1", lambda: ["u1", "u2"], fetch, catalog, 3600.0))
+    try:
+        await asyncio.sleep(0.05)
+        slow.set()
+        served["u1"].append("lora-new")
+        started = time.monotonic()
+        found = await catalog.find("lora-new", 2.0)
+        assert found == ServedName("m1", frozenset({"u1"}), adapter=True)
+        assert time.monotonic() - started < 1.0
+        started = time.monotonic()
+        assert await catalog.find("nope", 0.3) is None  # bounded, though u2 never answers
+        assert time.monotonic() - started < 1.5
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -453,3 +453,18 @@ def test_cache_aware_falls_back_to_the_least_loaded_when_imbalanced() -> None:
     # 100 vs 70: within the relative threshold, the match wins.
     pool[1] = replace(pool[1], in_flight=70)
     assert make_policy("cache_aware").select(RouteRequest(4_000), pool).url == "a"
+
+
+def test_round_robin_rotates_each_pool_apart() -> None:
+    # Requests for a LoRA adapter choose among the replicas that serve it; interleaved with
+    # requests for the whole pool, both rotations stay even.
+    policy = make_policy("round_robin")
+    full = [_view(i) for i in range(4)]
+    subset = full[2:]
+    request = RouteRequest(prompt_tokens=10)
+    chosen_full, chosen_subset = Counter[str](), Counter[str]()
+    for _ in range(8):
+        chosen_full[policy.select(request, full).url] += 1
+        chosen_subset[policy.select(request, subset).url] += 1
+    assert chosen_full == {f"http://b{i}": 2 for i in range(4)}
+    assert chosen_subset == {"http://b2": 4, "http://b3": 4}
