@@ -410,8 +410,9 @@ class Forwarder:
             if only is not None and only <= tried:
                 raise failures[-1].cause  # every replica that listed the name: not any more
             raise self._none_available(model, only)  # the others may serve it again soon
+        attempted = len({f.url for f in reached})  # a blameless retry reuses its backend
         message = (
-            f"could not reach a backend for model {model!r} after {len(reached)} attempt(s): "
+            f"could not reach a backend for model {model!r} after {attempted} attempt(s): "
             f"{reached[-1].cause}"
         )
         if all(f.header_timeout for f in reached):
