@@ -4,8 +4,11 @@ A replica started with ``--data-parallel-size N`` is one HTTP endpoint in front 
 (vLLM's API server balances requests across them), so the gateway must see it as one server:
 capacities and loads are summed, ``time`` is the oldest engine's (staleness is judged by the
 least recently updated engine), ``step`` is the sum of the engines' step counters (it still
-increases with every step). The per-engine records are listed under ``dp_ranks`` (an extra
-field that readers of ``sal-stats/1`` ignore) when there is more than one.
+increases with every step). LoRA slots: ``max_loras`` is summed (each engine holds its own
+batch of adapters) and ``lora_running`` is the sorted union of the engines' adapter names
+(at most ``MAX_LORA_NAMES``, the first in sorted order, so that the body still parses).
+The per-engine records are listed under ``dp_ranks`` (an extra field that readers of
+``sal-stats/1`` ignore) when there is more than one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine_patch.snapshot import SnapshotRecord
-from sal_core.stats import ReplicaStats
+from sal_core.stats import MAX_LORA_NAMES, ReplicaStats
 
 
 def combine_ranks(records: Sequence[SnapshotRecord]) -> ReplicaStats:
@@ -41,6 +44,10 @@ def combine_ranks(records: Sequence[SnapshotRecord]) -> ReplicaStats:
         num_running=sum(s.num_running for s in stats),
         max_num_batched_tokens=sum(s.max_num_batched_tokens for s in stats),
         max_num_seqs=sum(s.max_num_seqs for s in stats),
+        max_loras=sum(s.max_loras for s in stats),
+        lora_running=tuple(sorted({name for s in stats for name in s.lora_running}))[
+            :MAX_LORA_NAMES
+        ],
     )
 
 

@@ -103,6 +103,7 @@ class _SalSchedulerMixin:
     vllm_config: Any
     scheduler_config: Any
     kv_cache_manager: Any
+    lora_config: Any
     waiting: Any
     kv_holding_waiting: Any
     running: list[Any]
@@ -236,6 +237,7 @@ class _SalSchedulerMixin:
         waiting_uncached = sum(self._sal_uncached_tokens(r) for r in waiting)
         queued = waiting_uncached
         queued += sum(_uncomputed_tokens(r) for r in self.running if r.is_prefill_chunk)
+        max_loras, lora_running = self._sal_lora_slots()
         return ReplicaStats(
             time=self.sal_clock(),
             step=self._sal_step,
@@ -256,7 +258,27 @@ class _SalSchedulerMixin:
             cached_prefill_tokens=waiting_uncomputed - waiting_uncached,
             prefix_cache_query_tokens=self._sal_query_tokens,
             prefix_cache_hit_tokens=self._sal_hit_tokens,
+            max_loras=max_loras,
+            lora_running=lora_running,
         )
+
+    def _sal_lora_slots(self) -> tuple[int, tuple[str, ...]]:
+        """vLLM's ``--max-loras`` and the sorted names of the running requests' adapters.
+
+        vLLM's admission (``Scheduler.schedule``) counts the adapters of the scheduled running
+        requests (``lora_int_id > 0``) and skips a waiting request whose adapter would make
+        them more than ``lora_config.max_loras``; without ``--enable-lora`` there is no
+        ``lora_config`` and no adapter, and this returns (0, ()) without walking anything.
+        One pass over ``self.running``; only the few distinct names are sorted."""
+        lora_config = self.lora_config
+        if lora_config is None:
+            return 0, ()
+        names = {
+            r.lora_request.lora_name
+            for r in self.running
+            if r.lora_request is not None and r.lora_request.lora_int_id > 0
+        }
+        return int(lora_config.max_loras), tuple(sorted(names))
 
     def _sal_publish(self) -> None:
         record = SnapshotRecord(self.sal_stats(), self._sal_dp_rank, self._sal_dp_local)

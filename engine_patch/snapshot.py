@@ -8,12 +8,25 @@ Layout (little-endian, fixed size `FILE_SIZE_BYTES`)::
 
     offset 0   8s  magic  b"SALSNAP1"
     offset 8   Q   seq    even: record stable; odd: a write is in progress
-    offset 16  ... record (`_RECORD`), then its extension (`_RECORD_EXT`)
+    offset 16  ... record (`_RECORD`), then its extensions (`_RECORD_EXT`, `_RECORD_LORA`)
 
-The extension (``sal-stats/1.1``: prefix caching on, its hash algorithm, cached prefill
-tokens, hit counters) follows the original record, so the layout stays compatible both
-ways: a reader of the original layout ignores the bytes after it, and this reader decodes
-an older file's zero-filled extension as "prefix caching off".
+Each extension follows the ones before it, so the layout stays compatible both ways: a
+reader of an older layout ignores the bytes after the part it knows, and this reader decodes
+the zero-filled tail of an older file (`SnapshotWriter` creates the file zero-filled) as
+the extension's "off":
+
+* ``_RECORD_EXT`` (``sal-stats/1.1``): prefix caching on, its hash algorithm, cached prefill
+  tokens, hit counters. Zero-filled: prefix caching off.
+* ``_RECORD_LORA`` (``sal-stats/1.2``): ``max_loras`` (u32), then the names of the LoRA
+  adapters of the running requests, UTF-8, joined by newlines, as a u16 byte length and a
+  fixed field of `LORA_NAMES_BYTES` bytes. Zero-filled: ``max_loras`` 0 and no names.
+
+Names that cannot be carried are left out whole, never cut (`_pack_names`): the names are
+written in order, and one that would overflow the field is skipped (a later, shorter one may
+still fit), as is a name that `sal_core.stats.parse_stats` would reject (empty, longer than
+``MAX_LORA_NAME_CHARS``, beyond ``MAX_LORA_NAMES``) or that contains the separator
+(a newline). A reader then sees fewer adapters than run, never a wrong one. vLLM's
+``--max-loras`` is a handful, so with names of ordinary length nothing is left out.
 
 Seqlock protocol: the writer bumps ``seq`` to odd, writes the record, bumps it to even. A
 reader reads ``seq``, the record, and ``seq`` again, and retries unless both reads are equal
@@ -39,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sal_core.stats import ReplicaStats
+from sal_core.stats import MAX_LORA_NAME_CHARS, MAX_LORA_NAMES, ReplicaStats
 
 MAGIC = b"SALSNAP1"
 _HEADER = struct.Struct("<8sQ")
@@ -51,7 +64,13 @@ _HASH_ALGO_BYTES = 16
 _RECORD_EXT = struct.Struct(f"<B{_HASH_ALGO_BYTES}sqqq")
 """prefix_caching (0/1), prefix_hash_algo (NUL-padded ASCII, empty: None),
 cached_prefill_tokens, prefix_cache_query_tokens, prefix_cache_hit_tokens."""
-_RECORD_BYTES = _RECORD.size + _RECORD_EXT.size
+LORA_NAMES_BYTES = 2048
+"""Bytes of the running adapters' names (UTF-8, newline-separated) a record carries."""
+_RECORD_LORA = struct.Struct(f"<IH{LORA_NAMES_BYTES}s")
+"""max_loras (0: LoRA off), byte length of the names, the names (zero-padded)."""
+_MAX_LORAS = 2**32 - 1
+_LORA_OFFSET = _RECORD.size + _RECORD_EXT.size
+_RECORD_BYTES = _LORA_OFFSET + _RECORD_LORA.size
 FILE_SIZE_BYTES = 4096
 READ_ATTEMPTS = 1000
 """Consistent-read attempts before a reader gives up (a write takes ~1 µs, an attempt about
@@ -92,6 +111,34 @@ def snapshot_path(prefix: str, dp_rank: int) -> Path:
     return Path(f"{prefix}.dp{dp_rank}")
 
 
+def _pack_names(names: tuple[str, ...]) -> bytes:
+    """`names` UTF-8 encoded and newline-joined in at most `LORA_NAMES_BYTES` bytes: a name
+    that does not fit, or could not be read back as itself, is left out whole."""
+    out = bytearray()
+    kept = 0
+    for name in names:
+        if kept == MAX_LORA_NAMES:
+            break
+        if not name or len(name) > MAX_LORA_NAME_CHARS or "\n" in name:
+            continue
+        encoded = name.encode("utf-8", "replace")
+        needed = len(encoded) + (1 if out else 0)
+        if len(out) + needed > LORA_NAMES_BYTES:
+            continue
+        if out:
+            out += b"\n"
+        out += encoded
+        kept += 1
+    return bytes(out)
+
+
+def _unpack_names(length: int, field: bytes) -> tuple[str, ...]:
+    if length == 0:
+        return ()
+    text = field[: min(length, LORA_NAMES_BYTES)].decode("utf-8", errors="replace")
+    return tuple(name for name in text.split("\n") if name)
+
+
 def encode_record(record: SnapshotRecord) -> bytes:
     """Pack a record into its fixed binary layout (pure)."""
     s = record.stats
@@ -122,7 +169,9 @@ def encode_record(record: SnapshotRecord) -> bytes:
         len(model),
         model,
     )
-    return original + ext
+    names = _pack_names(s.lora_running)
+    lora = _RECORD_LORA.pack(min(s.max_loras, _MAX_LORAS), len(names), names)
+    return original + ext + lora
 
 
 def decode_record(data: bytes) -> SnapshotRecord:
@@ -145,7 +194,8 @@ def decode_record(data: bytes) -> SnapshotRecord:
         model_len,
         model,
     ) = _RECORD.unpack(data[: _RECORD.size])
-    caching, algo, cached, queries, hits = _RECORD_EXT.unpack(data[_RECORD.size : _RECORD_BYTES])
+    caching, algo, cached, queries, hits = _RECORD_EXT.unpack(data[_RECORD.size : _LORA_OFFSET])
+    max_loras, names_len, names = _RECORD_LORA.unpack(data[_LORA_OFFSET:_RECORD_BYTES])
     algo_name = algo.rstrip(b"\0").decode("ascii", errors="replace")
     stats = ReplicaStats(
         time=time_s,
@@ -167,6 +217,8 @@ def decode_record(data: bytes) -> SnapshotRecord:
         cached_prefill_tokens=cached,
         prefix_cache_query_tokens=queries,
         prefix_cache_hit_tokens=hits,
+        max_loras=max_loras,
+        lora_running=_unpack_names(names_len, names),
     )
     return SnapshotRecord(stats, dp_rank, dp_local_count)
 

@@ -129,6 +129,10 @@ class FakeBackend:
     metrics_kv_usage: float = 0.0
     metrics_num_gpu_blocks: int = 1000
     metrics_block_size: int = 16
+    metrics_max_lora: int = 0
+    """``--max-loras`` on ``/metrics`` (``vllm:lora_requests_info``; 0: LoRA off, no series)."""
+    metrics_running_loras: tuple[str, ...] = ()
+    """The adapters ``vllm:lora_requests_info`` says are running (with `metrics_max_lora`)."""
     received: list[dict[str, Any]] = field(default_factory=list)
     last_headers: dict[str, str] = field(default_factory=dict)
     """Headers of the last generation request (lower-case names)."""
@@ -192,6 +196,23 @@ class FakeBackend:
             f'vllm:cache_config_info{{block_size="{self.metrics_block_size}",'
             f'cache_dtype="auto",engine="0",'
             f'num_gpu_blocks="{self.metrics_num_gpu_blocks}"}} 1.0\n'
+        ) + self._lora_text()
+
+    def _lora_text(self) -> str:
+        """vLLM's LoRA info gauge: every label set it ever reported stays, valued at the time
+        it was set, so an older series (a long-finished adapter here) precedes now's."""
+        if self.metrics_max_lora <= 0:
+            return ""
+        series = (
+            'vllm:lora_requests_info{{max_lora="{}",running_lora_adapters="{}",'
+            'waiting_lora_adapters=""}} {}\n'
+        )
+        running = ",".join(self.metrics_running_loras)
+        return (
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+            "# TYPE vllm:lora_requests_info gauge\n"
+            + series.format(self.metrics_max_lora, "long-gone", 1.0e9)
+            + series.format(self.metrics_max_lora, running, time.time())
         )
 
     def snapshot(self) -> ReplicaStats:

@@ -12,6 +12,12 @@ Minor 1 (``sal-stats/1.1``) added what a router needs to predict prefix-cache hi
 hit counters ``prefix_cache_hit_tokens`` / ``prefix_cache_query_tokens`` (and made
 ``queued_prefill_tokens`` net of the tokens the replica's prefix cache already holds). A body
 without them (``sal-stats/1``, or stock replicas) reads as prefix caching off.
+
+Minor 2 (``sal-stats/1.2``) added LoRA slots: ``max_loras`` (vLLM's ``--max-loras``, how
+many adapters one batch may hold) and ``lora_running`` (the adapters of the running
+requests). vLLM does not admit a request whose adapter would make a batch hold more than
+``max_loras`` adapters, however much KV is free, so a router that knows them can send an
+adapter where it can start now. A body without them reads as "LoRA slots unknown".
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SCHEMA = "sal-stats/1.1"
+SCHEMA = "sal-stats/1.2"
 SCHEMA_MAJOR = "sal-stats/1"
 
 
@@ -74,11 +80,17 @@ class ReplicaStats:
     prefix_cache_hit_tokens: int = 0
     """Of those, the tokens found in the prefix cache (``vllm:prefix_cache_hits``): with
     the query counter, the replica's achieved hit rate."""
+    max_loras: int = 0
+    """vLLM's ``--max-loras``: how many LoRA adapters one batch may hold (0: LoRA off, or
+    not reported)."""
+    lora_running: tuple[str, ...] = ()
+    """Names of the adapters of the running requests (at most `max_loras` per engine)."""
     schema: str = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object served on `GET /stats` (``schema`` first, as in the contract)."""
         body = asdict(self)
+        body["lora_running"] = list(self.lora_running)  # a JSON array, as `parse_stats` reads
         return {"schema": body.pop("schema"), **body}
 
 
@@ -99,8 +111,13 @@ _OPTIONAL_INT_FIELDS = (
     "cached_prefill_tokens",
     "prefix_cache_query_tokens",
     "prefix_cache_hit_tokens",
+    "max_loras",
 )
 """Added in minor versions: absent means 0."""
+
+MAX_LORA_NAMES = 256
+"""Adapter names `lora_running` may list (vLLM's ``--max-loras`` is a handful per engine)."""
+MAX_LORA_NAME_CHARS = 1024
 
 
 MAX_INT = 2**53
@@ -186,5 +203,21 @@ def parse_stats(obj: object) -> ReplicaStats:
         schema=schema,
         prefix_caching=caching,
         prefix_hash_algo=algo,
+        lora_running=_names_field(obj, "lora_running"),
         **ints,
     )
+
+
+def _names_field(obj: dict[str, Any], name: str) -> tuple[str, ...]:
+    """An optional list of adapter names (absent: none), bounded in count and length."""
+    value = obj.get(name, [])
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_LORA_NAMES
+        or not all(isinstance(v, str) and 0 < len(v) <= MAX_LORA_NAME_CHARS for v in value)
+    ):
+        raise StatsSchemaError(
+            f"/stats field {name!r} must be a list of at most {MAX_LORA_NAMES} non-empty "
+            f"names of at most {MAX_LORA_NAME_CHARS} characters, got {value!r:.80}"
+        )
+    return tuple(value)

@@ -383,6 +383,7 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
             blocks=_blocks(rt, inbound, count, served),
             affinity_key=None if session is None else request.headers.get(session),
             only=None if served is None else served.urls,
+            adapter=inbound.served_model if served is not None and served.adapter else None,
         )
         return await _unless_disconnected(request, forward)
     except ClientDisconnect:

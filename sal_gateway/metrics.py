@@ -143,6 +143,14 @@ class GatewayMetrics:
             _MB,
             registry=r,
         )
+        self.lora_slot_decisions = Counter(
+            "sal_lora_slot_decisions",
+            "LoRA adapter requests whose route the replicas' LoRA slots (--max-loras) decided: "
+            "steered (sent past replicas whose slots other adapters held) or no_free_slot "
+            "(every candidate's slots were held: the request waits for one wherever it goes)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.stream_errors = Counter(
             "sal_stream_errors", "Upstream failures after the first byte", _MB, registry=r
         )

@@ -58,6 +58,7 @@ import aiohttp
 from starlette.responses import Response
 
 from sal_core.beta import BetaEstimator
+from sal_core.lora_slots import prefer_free_slots
 from sal_core.policies import (
     PREFIX_AWARE_POLICIES,
     BackendView,
@@ -226,16 +227,21 @@ class Forwarder:
         blocks: PromptBlocks | None = None,
         affinity_key: str | None = None,
         only: frozenset[str] | None = None,
+        adapter: str | None = None,
     ) -> tuple[str, BackendView, Policy]:
         """The policy's choice for `model` among backends not in `exclude` (records metrics
         and, when tracing, the decision on the request's span): its URL, its view and the
         policy that chose it. `policy` replaces the configured one (requests the gateway
         could not count). With `blocks`, each view carries what its backend is predicted to
         hold of the prompt (`PrefixTracker`). `only`: choose among these backends alone (those
-        that serve the adapter or other name the request asked for)."""
+        that serve the adapter or other name the request asked for). `adapter`: the LoRA
+        adapter it names; backends where it would wait for a LoRA slot are left out while
+        another eligible one can start it (`sal_core.lora_slots`)."""
         chosen = self._policy if policy is None else policy
         now_s = self._clock()
         views = _excluding(self._table.views(model, now_s), exclude, only)
+        if adapter is not None:
+            views = self._by_lora_slots(model, adapter, views)
         if blocks is not None and self._prefix is not None:
             self._prefix.annotate(model, views, blocks)
         beta = self._betas[model].beta if model in self._betas else self._routing.beta_seed
@@ -296,6 +302,22 @@ class Forwarder:
             )
         return decision.url, views[decision.index], chosen
 
+    def _by_lora_slots(
+        self, model: str, adapter: str, views: list[BackendView]
+    ) -> list[BackendView]:
+        """`views` narrowed to the backends that can start `adapter` now, when any can
+        (`sal_core.lora_slots.prefer_free_slots`); counts the decisions it changed and those
+        where every eligible backend's slots were full."""
+        blocked = self._table.lora_blocked(model, adapter)
+        if not blocked:
+            return views
+        if not any(v.eligible and v.url in blocked for v in views):
+            return views  # only backends the request could not go to anyway are full
+        free = any(v.eligible and v.url not in blocked for v in views)
+        outcome = "steered" if free else "no_free_slot"
+        self._metrics.lora_slot_decisions.labels(model=model, outcome=outcome).inc()
+        return prefer_free_slots(views, blocked)
+
     async def forward(
         self,
         inbound: InboundRequest,
@@ -307,6 +329,7 @@ class Forwarder:
         blocks: PromptBlocks | None = None,
         affinity_key: str | None = None,
         only: frozenset[str] | None = None,
+        adapter: str | None = None,
     ) -> Response:
         """Send `inbound` to the best backend (chosen by `policy`, default the configured
         one) and return the response to relay. `blocks` (the prompt's block keys) and
@@ -314,6 +337,8 @@ class Forwarder:
         chosen backend's prefix entry holds `blocks` until the request ends. `only`: the
         backends that serve the name the request asked for (`inbound.served_model`: an
         adapter or other name besides the model's own), the others are never tried.
+        `adapter`: the LoRA adapter it names (routed where a LoRA slot lets it start now,
+        when one does).
 
         Retries (at most ``routing.max_retries``, each on a backend not tried yet) only what
         cannot have generated anything and what the client has seen nothing of: connect
@@ -346,6 +371,7 @@ class Forwarder:
                 blocks,
                 affinity_key,
                 only,
+                adapter,
             )
             try:
                 try:
@@ -366,7 +392,12 @@ class Forwarder:
                 queued_tokens -= view.cached_tokens
                 kv_tokens -= view.cached_held_tokens
             ticket = self._table.route(
-                model, url, queued_tokens, kv_tokens=kv_tokens, streamed=inbound.stream
+                model,
+                url,
+                queued_tokens,
+                kv_tokens=kv_tokens,
+                streamed=inbound.stream,
+                adapter=adapter,
             )
             if blocks is not None and self._prefix is not None:
                 ticket.on_release = self._prefix.hold(model, url, blocks)

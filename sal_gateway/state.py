@@ -67,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from sal_core.lora_slots import can_start
 from sal_core.policies import BackendView
 from sal_core.stats import ReplicaStats
 
@@ -253,6 +254,17 @@ class BackendState:
             num_running=0 if stats is None else stats.num_running,
         )
 
+    def lora_occupied(self) -> frozenset[str] | None:
+        """The adapters holding this backend's LoRA slots now: those its engine ran at the
+        last poll, plus those of requests routed here that no snapshot includes yet (routed
+        to a free slot, they take it). None when its slots are unknown (LoRA off, a stock
+        replica without the metric, an older ``/stats``)."""
+        stats = self.stats
+        if stats is None or stats.max_loras <= 0:
+            return None
+        pending = {t.adapter for t in self.unacked if t.adapter is not None and not t.acked}
+        return frozenset(stats.lora_running).union(pending)
+
     def acknowledge_before(self, cutoff_s: float) -> None:
         """Stop counting every ticket sent before `cutoff_s` (a snapshot includes them)."""
         unacked = self.unacked
@@ -301,6 +313,9 @@ class Ticket:
     """The engine's numbers include this request (or it ended): its tokens no longer count."""
     on_release: Callable[[], None] | None = None
     """Called once when the request ends (the prefix index's hold on its blocks)."""
+    adapter: str | None = None
+    """The LoRA adapter the request named (None: the base model): until the engine's numbers
+    include the request, it holds one of the backend's LoRA slots (`BackendState.lora_occupied`)."""
 
     def __post_init__(self) -> None:
         if self.kv_tokens < 0:
@@ -456,6 +471,18 @@ class StateTable:
         ]
         return cap_budgets(views, self.budget_spread_max)
 
+    def lora_blocked(self, model: str, adapter: str) -> set[str]:
+        """URLs of `model`'s backends where a request for `adapter` would wait for a LoRA
+        slot (`sal_core.lora_slots.can_start`): every slot is held by other adapters."""
+        blocked = set()
+        for backend in self._pools.get(model, {}).values():
+            occupied = backend.lora_occupied()
+            if occupied is None or backend.stats is None:
+                continue
+            if not can_start(adapter, backend.stats.max_loras, occupied):
+                blocked.add(backend.url)
+        return blocked
+
     def degraded_views(self, model: str, now_s: float, max_age_s: float) -> list[BackendView]:
         """Views for *degraded routing*, used only when no backend of `model` is eligible
         (Envoy's "panic" mode, made liveness-aware): a backend is a candidate when it is not
@@ -521,10 +548,12 @@ class StateTable:
         kv_tokens: int | None = None,
         *,
         streamed: bool = False,
+        adapter: str | None = None,
     ) -> Ticket:
         """Account a request just routed to `url` at `sent_s` (default: `clock()`): its
         `prompt_tokens` of prefill and `kv_tokens` of new KV (default: the same), and, for a
-        `streamed` one, a floor under the backend's queue until its first byte; raises
+        `streamed` one, a floor under the backend's queue until its first byte (and, for an
+        `adapter`'s, a LoRA slot until the engine's numbers include it); raises
         KeyError for an unknown backend. Send times are kept non-decreasing per backend
         (an earlier one is moved up to the last: later acknowledgement, never earlier)."""
         backend = self._pools[model][url]
@@ -542,7 +571,7 @@ class StateTable:
         backend.prefill_pending_tokens += prompt_tokens
         if streamed:
             backend.stream_pending_tokens += prompt_tokens
-        ticket = Ticket(backend, prompt_tokens, sent_s, kv, streamed)
+        ticket = Ticket(backend, prompt_tokens, sent_s, kv, streamed, adapter=adapter)
         unacked.append(ticket)
         backend.publish()
         return ticket

@@ -8,7 +8,11 @@ Pure: the poller calls `parse_vllm_metrics()` with the exposition text. Used ser
 * ``vllm:cache_config_info`` (info gauge; labels ``num_gpu_blocks`` and ``block_size``;
   ``enable_prefix_caching`` and ``prefix_caching_hash_algo`` when present);
 * ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (counters, tokens;
-  optional) for the achieved prefix-cache hit rate.
+  optional) for the achieved prefix-cache hit rate;
+* ``vllm:lora_requests_info`` (optional; only with ``--enable-lora``): one series per set of
+  labels ever reported, its value the time vLLM set it, so the newest is now's; labels
+  ``max_lora`` and ``running_lora_adapters`` (comma-separated adapter names) give the LoRA
+  slots (`sal_core.lora_slots`).
 
 Free KV tokens = sum over engines of ``(1 - usage) * num_gpu_blocks * block_size``. vLLM does
 not expose queued prefill tokens or the per-step token budget; the result carries 0 queued
@@ -30,7 +34,9 @@ _KV_USAGE = "vllm:kv_cache_usage_perc"
 _CACHE_INFO = "vllm:cache_config_info"
 _QUERIES = "vllm:prefix_cache_queries_total"
 _HITS = "vllm:prefix_cache_hits_total"
-_USED = frozenset((_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO, _QUERIES, _HITS))
+_LORA_INFO = "vllm:lora_requests_info"
+_USED = frozenset((_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO, _QUERIES, _HITS, _LORA_INFO))
+_MAX_LORA_NAMES = 256
 
 
 class MetricsParseError(ValueError):
@@ -58,6 +64,9 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
     counters = {_QUERIES: 0.0, _HITS: 0.0}
     caching = False
     algo: str | None = None
+    lora_set_s = -1.0
+    max_loras = 0
+    lora_running: tuple[str, ...] = ()
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -87,6 +96,11 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
                 algo = sample.labels.get("prefix_caching_hash_algo") if caching else None
             elif name in counters:
                 counters[name] += sample.value
+            elif name == _LORA_INFO and sample.value > lora_set_s:
+                lora_set_s = sample.value
+                max_loras = _int_label(sample.labels, "max_lora") or 0
+                names = sample.labels.get("running_lora_adapters", "").split(",")
+                lora_running = tuple(sorted({n for n in names if n}))[:_MAX_LORA_NAMES]
     for needed in (_WAITING, _RUNNING, _KV_USAGE, _CACHE_INFO):
         if needed not in found:
             raise MetricsParseError(f"/metrics lacks {needed}")
@@ -120,4 +134,6 @@ def parse_vllm_metrics(text: str, model: str, time_s: float) -> ReplicaStats:
         prefix_hash_algo=algo[:32] if algo else None,
         prefix_cache_query_tokens=int(counters[_QUERIES]),
         prefix_cache_hit_tokens=int(counters[_HITS]),
+        max_loras=max_loras,
+        lora_running=lora_running,
     )

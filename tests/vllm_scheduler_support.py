@@ -20,6 +20,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -117,9 +118,10 @@ def make_request(
     *,
     max_tokens: int = 4,
     prompt: Sequence[int] | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> Request:
     """A request of `prompt_tokens` tokens; without `prompt`, a token of its own repeated (no
-    accidental prefix-cache sharing between requests)."""
+    accidental prefix-cache sharing between requests). `lora_request` names its adapter."""
     init_none_hash(sha256)
     if prompt is None:
         _next_token[0] += 1
@@ -130,6 +132,7 @@ def make_request(
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
         arrival_time=arrival_s,
+        lora_request=lora_request,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
 

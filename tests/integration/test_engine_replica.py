@@ -426,7 +426,7 @@ class TestTwoApiServers:
                 time.sleep(0.25)
             assert agree(body, vllm_gauges(client.get(f"{larry_url}/metrics").text)), body
             stats = parse_stats(body)
-            assert body["schema"] == "sal-stats/1.1"
+            assert body["schema"] == "sal-stats/1.2"
             assert stats.model == MODEL
             assert stats.scheduler == "larry"
             assert stats.alpha == 1.0

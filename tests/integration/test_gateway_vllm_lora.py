@@ -203,3 +203,74 @@ def test_an_adapters_repeated_prompt_is_predicted_as_vllm_hits_it(
         time.sleep(0.2)
     predicted_after, hit_after = counters()
     assert predicted_after - predicted == hit_after - hit > 0
+
+
+def _first_token_and_end(url: str, model: str, max_tokens: int) -> tuple[float, float]:
+    """Stream a completion of `model` through `url`: `time.perf_counter()` at its first
+    token and at its end."""
+    body = {"model": model, "prompt": "slots", "max_tokens": max_tokens, "ignore_eos": True}
+    first = None
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter()
+    assert first is not None, f"no token from {model}"
+    return first, time.perf_counter()
+
+
+def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    # Both replicas run vLLM's default --max-loras 1. While lora-d streams on one replica
+    # (its only LoRA slot is lora-d's) and a base-model stream runs on the other (in flight:
+    # one each, so SAL's own scores tie), a lora-e request must go to the replica with the
+    # free slot: on the other it would wait for lora-d's whole stream.
+    url, replicas, adapters = fleet
+    for name in ("lora-d", "lora-e"):
+        load = {"lora_name": name, "lora_path": str(adapters / "lora-b")}
+        for replica in replicas:
+            loaded = httpx.post(f"{replica}/v1/load_lora_adapter", json=load, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+
+    def on_both() -> bool:
+        cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        replicas_of = {c["id"]: c.get("sal_replicas") for c in cards}
+        return replicas_of.get("lora-d") == replicas_of.get("lora-e") == 2
+
+    body = {"model": "lora-d", "prompt": "x", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 40  # the periodic read (models_refresh_s 15 s) finds both
+    while not on_both():
+        assert time.monotonic() < deadline, "the gateway never saw lora-d/e on both replicas"
+        time.sleep(0.5)
+
+    def steered() -> float:
+        samples = scrape_metrics(url)
+        return metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome="steered")
+
+    def lora_running(replica: str) -> list[str]:
+        stats = httpx.get(f"{replica}/stats", timeout=5).json()
+        assert stats["max_loras"] == 1
+        return list(stats["lora_running"])
+
+    steered_before = steered()
+    long_tokens = MAX_MODEL_LEN - 64
+    with ThreadPoolExecutor(2) as pool:
+        d = pool.submit(_first_token_and_end, url, "lora-d", long_tokens)
+        deadline = time.monotonic() + 30
+        while not any(lora_running(r) == ["lora-d"] for r in replicas):
+            assert time.monotonic() < deadline, "no replica's /stats showed lora-d running"
+            time.sleep(0.1)
+        holder = next(r for r in replicas if lora_running(r) == ["lora-d"])
+        base = pool.submit(_first_token_and_end, url, MODEL, long_tokens)
+        time.sleep(1.0)  # the base stream is routed (to the other replica: fewer in flight)
+        e_first, _ = _first_token_and_end(url, "lora-e", 4)
+        d_first, d_end = d.result(timeout=120)
+        base.result(timeout=120)
+    # lora-e started while lora-d still held its replica's slot (lora-d's stream is ~5 s).
+    assert e_first < d_end - 1.0, (e_first - d_first, d_end - d_first)
+    assert steered() > steered_before
+    assert lora_running(holder) == []  # all done

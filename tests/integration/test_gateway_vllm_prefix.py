@@ -295,7 +295,7 @@ def test_stats_reports_vllms_own_prefix_cache_counters(
         time.sleep(0.25)
     for url in urls:
         stats = httpx.get(f"{url}/stats", timeout=10.0).json()
-        assert stats["schema"] == "sal-stats/1.1"
+        assert stats["schema"] == "sal-stats/1.2"
         assert (stats["prefix_caching"], stats["prefix_hash_algo"]) == (True, "sha256")
         assert stats["block_size"] == BLOCK
     engine_hits = sum(_counters(u)["hits"] for u in urls)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,8 @@ import pytest
 # and friends); `filterwarnings=error` would turn them into collection errors.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.config import LoRAConfig
+    from vllm.lora.request import LoRARequest
     from vllm.v1.request import RequestStatus
 
     from engine_patch.scheduler import (
@@ -305,3 +308,64 @@ def test_snapshot_after_each_step_matches_the_scheduler(
     assert stats.max_num_batched_tokens == 128
     sched.shutdown()
     assert not snapshot_path(str(stats_prefix), 0).exists()
+
+
+# LoRA slots ---------------------------------------------------------------------------------
+
+
+def _adapter(name: str, int_id: int) -> LoRARequest:
+    return LoRARequest(name, int_id, f"/adapters/{name}")
+
+
+def test_stats_report_the_lora_slots_vllm_admits_by(
+    tiny_model_dir: Path, stats_prefix: Path
+) -> None:
+    """With --max-loras 2, vLLM skips a waiting request whose adapter would be a third one in
+    the batch; `/stats` shows the two slots taken by name, so a router can see why it waits."""
+    sched = make_scheduler(FcfsScheduler, tiny_model_dir)
+    sched.lora_config = LoRAConfig(max_loras=2)  # as --enable-lora --max-loras 2 sets it
+    a, b, c = _adapter("chat", 1), _adapter("sql", 2), _adapter("code", 3)
+    for rid, adapter in [("a1", a), ("b1", b), ("c1", c), ("a2", a), ("base", None)]:
+        sched.add_request(make_request(rid, 20, arrival_s=999.0, lora_request=adapter))
+
+    assert admitted(run_step(sched)) == ["a1", "b1", "a2", "base"]
+
+    stats = sched.sal_stats()
+    assert (stats.max_loras, stats.lora_running) == (2, ("chat", "sql"))
+    assert (stats.num_running, stats.num_waiting) == (4, 1)
+    record = SnapshotReader(snapshot_path(str(stats_prefix), 0)).read()
+    assert record is not None
+    assert (record.stats.max_loras, record.stats.lora_running) == (2, ("chat", "sql"))
+    for _ in range(20):  # the others finish, then "code" gets a slot
+        if "c1" in admitted(run_step(sched)):
+            break
+    assert sched.sal_stats().lora_running == ("code",)
+    sched.shutdown()
+
+
+def test_lora_running_lists_each_adapter_of_the_running_requests_once(
+    tiny_model_dir: Path,
+) -> None:
+    sched = make_scheduler(FcfsScheduler, tiny_model_dir)
+    # No --enable-lora: no slots to report.
+    assert (sched.sal_stats().max_loras, sched.sal_stats().lora_running) == (0, ())
+    sched.lora_config = LoRAConfig(max_loras=4)
+    chat = _adapter("chat", 1)
+
+    def running(lora_request: object) -> SimpleNamespace:
+        return SimpleNamespace(lora_request=lora_request, is_prefill_chunk=False)
+
+    sched.running = [
+        running(_adapter("sql", 2)),
+        running(chat),
+        running(None),  # the base model takes no slot
+        running(chat),
+        running(SimpleNamespace(lora_name="zero-id", lora_int_id=0)),  # vLLM's "no adapter"
+        running(_adapter("alpha", 3)),
+    ]
+    stats = sched.sal_stats()
+    assert stats.max_loras == 4
+    assert stats.lora_running == ("alpha", "chat", "sql")
+    assert stats.num_running == 6
+    sched.running = []
+    sched.shutdown()

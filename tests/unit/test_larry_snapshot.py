@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,67 @@ def test_layout_stays_compatible_with_the_original_record() -> None:
     old = decode_record(old_file).stats
     assert (old.prefix_caching, old.prefix_hash_algo, old.cached_prefill_tokens) == (False, None, 0)
     assert old.queued_prefill_tokens == record.stats.queued_prefill_tokens
+
+
+def test_lora_slots_round_trip_through_the_binary_layout(tmp_path: Path) -> None:
+    """max_loras and the running adapters' names (UTF-8 included) reach a reader intact."""
+    stats = make_stats(max_loras=4, lora_running=("chat-v2", "sql", "übersetzer-名"))
+    record = SnapshotRecord(stats, dp_rank=1, dp_local_count=2)
+    assert decode_record(encode_record(record)) == record
+    path = snapshot_path(str(tmp_path / "s"), 1)
+    writer = SnapshotWriter(path)
+    writer.publish(record)
+    writer.publish(SnapshotRecord(make_stats(max_loras=4, lora_running=("sql",)), 1, 2))
+    read = SnapshotReader(path).read()
+    assert read is not None
+    # A shorter list written over a longer one leaves nothing of the old names behind.
+    assert (read.stats.max_loras, read.stats.lora_running) == (4, ("sql",))
+    writer.close()
+
+
+def test_lora_names_that_do_not_fit_are_left_out_whole() -> None:
+    """The names field holds LORA_NAMES_BYTES bytes: a name that would overflow it is dropped
+    whole (a later, shorter one still fits), never cut into a name that does not run; names
+    the gateway would reject (or that contain the separator) are dropped too, so the body
+    still parses."""
+    from engine_patch.snapshot import LORA_NAMES_BYTES
+
+    big = "a" * 1000
+    huge = "h" * (LORA_NAMES_BYTES // 2)
+    names = (big, "b" * 1000, huge, "c", "bad\nname", "", "x" * 1025, "d")
+    stats = make_stats(max_loras=8, lora_running=names)
+    decoded = decode_record(encode_record(SnapshotRecord(stats, 0, 1))).stats
+    assert decoded.lora_running == (big, "b" * 1000, "c", "d")
+    assert sum(len(n) + 1 for n in decoded.lora_running) - 1 <= LORA_NAMES_BYTES
+    assert decoded.max_loras == 8
+    assert parse_stats(json.loads(json.dumps(decoded.to_dict()))) == decoded
+    many = tuple(f"n{i:03d}" for i in range(300))
+    capped = decode_record(
+        encode_record(SnapshotRecord(make_stats(max_loras=300, lora_running=many), 0, 1))
+    ).stats
+    assert capped.lora_running == many[:256]
+    assert parse_stats(json.loads(json.dumps(capped.to_dict()))) == capped
+
+
+def test_an_older_layout_reads_as_lora_slots_unknown() -> None:
+    """A file written before sal-stats/1.2 has zeros after the prefix-cache extension: it
+    reads as max_loras 0 and no adapters, with every older field intact."""
+    from engine_patch import snapshot
+
+    stats = make_stats(
+        prefix_caching=True,
+        prefix_hash_algo="sha256",
+        cached_prefill_tokens=5,
+        max_loras=2,
+        lora_running=("sql",),
+    )
+    data = encode_record(SnapshotRecord(stats, 0, 1))
+    assert len(data) == snapshot._RECORD_BYTES
+    old_size = snapshot._RECORD.size + snapshot._RECORD_EXT.size
+    old = decode_record(data[:old_size].ljust(len(data), b"\0")).stats
+    assert (old.max_loras, old.lora_running) == (0, ())
+    assert old == replace(stats, max_loras=0, lora_running=())
+    assert snapshot._HEADER.size + snapshot._RECORD_BYTES <= snapshot.FILE_SIZE_BYTES
 
 
 def test_writer_and_reader_share_the_latest_record(tmp_path: Path) -> None:
@@ -221,6 +284,28 @@ def test_data_parallel_ranks_are_summed_with_the_oldest_time() -> None:
     body = stats_body([r1, r0])
     assert [r["dp_rank"] for r in body["dp_ranks"]] == [0, 1]
     assert parse_stats(body) == combined  # readers ignore the extra field
+
+
+def test_data_parallel_lora_slots_are_summed_and_names_merged() -> None:
+    """Each engine runs its own batch: the replica's slots are the sum, its running adapters
+    the union (sorted, each name once)."""
+    r0 = SnapshotRecord(make_stats(max_loras=2, lora_running=("sql", "chat")), 0, 3)
+    r1 = SnapshotRecord(make_stats(max_loras=2, lora_running=("chat", "code")), 1, 3)
+    r2 = SnapshotRecord(make_stats(max_loras=2), 2, 3)
+    combined = combine_ranks([r2, r0, r1])
+    assert combined.max_loras == 6
+    assert combined.lora_running == ("chat", "code", "sql")
+    body = json.loads(json.dumps(stats_body([r2, r0, r1])))  # as served
+    assert parse_stats(body) == combined
+    assert [r["lora_running"] for r in body["dp_ranks"]] == [
+        ["sql", "chat"],
+        ["chat", "code"],
+        [],
+    ]
+    no_lora = combine_ranks(
+        [SnapshotRecord(make_stats(), 0, 2), SnapshotRecord(make_stats(), 1, 2)]
+    )
+    assert (no_lora.max_loras, no_lora.lora_running) == (0, ())
 
 
 def test_single_engine_body_is_exactly_the_contract() -> None:

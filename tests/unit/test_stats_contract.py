@@ -8,7 +8,13 @@ from dataclasses import replace
 import pytest
 
 from sal_core.policies import BackendView, RouteRequest, make_policy
-from sal_core.stats import ReplicaStats, StatsSchemaError, parse_stats
+from sal_core.stats import (
+    MAX_LORA_NAME_CHARS,
+    MAX_LORA_NAMES,
+    ReplicaStats,
+    StatsSchemaError,
+    parse_stats,
+)
 
 
 def _sample() -> ReplicaStats:
@@ -34,7 +40,7 @@ def test_round_trip_through_json() -> None:
     stats = _sample()
     body = json.loads(json.dumps(stats.to_dict()))
     assert next(iter(body)) == "schema"
-    assert body["schema"] == "sal-stats/1.1"
+    assert body["schema"] == "sal-stats/1.2"
     assert parse_stats(body) == stats
 
 
@@ -56,6 +62,47 @@ def test_prefix_cache_fields_round_trip_and_default_when_absent() -> None:
         None,
         0,
     )
+
+
+def test_lora_slot_fields_round_trip_and_default_when_absent() -> None:
+    """sal-stats/1.2 added max_loras and lora_running; a body without them (sal-stats/1.1 or
+    older) reads as LoRA slots unknown: 0 and no adapters."""
+    lora = replace(_sample(), max_loras=4, lora_running=("chat", "sql-v2"))
+    body = json.loads(json.dumps(lora.to_dict()))
+    assert (body["max_loras"], body["lora_running"]) == (4, ["chat", "sql-v2"])
+    assert parse_stats(body) == lora
+    old = {k: v for k, v in lora.to_dict().items() if k not in ("max_loras", "lora_running")}
+    old["schema"] = "sal-stats/1.1"
+    parsed = parse_stats(old)
+    assert (parsed.max_loras, parsed.lora_running) == (0, ())
+    assert parsed == replace(_sample(), schema="sal-stats/1.1")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "chat",  # not a list
+        {"chat": 1},
+        ["chat", 7],  # a non-string entry
+        ["chat", None],
+        ["chat", ""],  # an empty name
+        ["x" * (MAX_LORA_NAME_CHARS + 1)],  # a name too long
+        [f"a{i}" for i in range(MAX_LORA_NAMES + 1)],  # too many
+    ],
+)
+def test_bad_lora_running_is_rejected(bad: object) -> None:
+    with pytest.raises(StatsSchemaError, match="'lora_running' must be a list"):
+        parse_stats({**_sample().to_dict(), "max_loras": 2, "lora_running": bad})
+
+
+def test_bad_max_loras_is_rejected() -> None:
+    for bad, message in (
+        (-1, "must be >= 0"),
+        ("2", "must be an integer"),
+        (True, "must be an integer"),
+    ):
+        with pytest.raises(StatsSchemaError, match=f"'max_loras' {message}"):
+            parse_stats({**_sample().to_dict(), "max_loras": bad})
 
 
 def test_unknown_fields_are_ignored_and_minor_versions_accepted() -> None:

@@ -1,0 +1,119 @@
+"""LoRA slots through the gateway (fake backends, real sockets).
+
+vLLM does not start a request whose adapter would make its batch hold more than
+``--max-loras`` adapters: it waits, however idle the replica otherwise looks. What a user
+would notice if this broke: requests for an adapter queue behind another adapter's on a
+replica whose slots are full while a replica with a free slot stands by; or, with every
+slot full everywhere, requests refused instead of queued. The replicas' slots come from
+``/stats`` (``sal-stats/1.2``) or, for stock vLLM, from ``vllm:lora_requests_info``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_sim.fake_vllm import FakeBehaviour, default_stats
+from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
+
+RELAXED = {"stale_after_s": 5.0, "poll_timeout_s": 2.0, "eject_after_failures": 5}
+QUICK_MODELS = {"models": [{"models_refresh_s": 0.2}]}
+"""Re-read each replica's ``/v1/models`` often: the adapters are loaded after the gateway
+started, and the tests wait until it knows that both replicas serve them (a first request
+for a new name is served by the replica that lists it first)."""
+
+
+def _ask(rig: Rig, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": "hello there", "max_tokens": 2}
+    return httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30.0)
+
+
+def _sent(rig: Rig, index: int, model: str) -> int:
+    return [b.get("model") for b in rig.fakes[index].received].count(model)
+
+
+def _slot_decisions(rig: Rig, outcome: str) -> float:
+    return metric(rig.metrics(), "sal_lora_slot_decisions_total", outcome=outcome) or 0.0
+
+
+def _slots(rig: Rig, running: list[tuple[str, ...]]) -> None:
+    """Every fake serves lora-a and lora-b with one LoRA slot; `running[i]` holds fake i's."""
+    for fake, names in zip(rig.fakes, running, strict=True):
+        fake.adapters = ("lora-a", "lora-b")
+        fake.stats = dataclasses.replace(default_stats(), max_loras=1, lora_running=names)
+
+
+def _seen_by_gateway(rig: Rig, running: list[tuple[str, ...]]) -> bool:
+    """Whether the gateway's last polls carry `running` and both replicas list the adapters."""
+    catalog = rig.runtime.catalog
+    for name in ("lora-a", "lora-b"):
+        served = catalog.served(name)
+        if served is None or len(served.urls) != len(rig.fakes):
+            return False
+    backends = rig.runtime.table.backends(MODEL)
+    stats = [b.stats for b in backends]
+    return [s.lora_running if s else None for s in stats] == running and all(
+        s is not None and s.max_loras == 1 for s in stats
+    )
+
+
+@pytest.mark.parametrize("policy", ["sal", "round_robin"])
+def test_an_adapter_goes_where_a_lora_slot_is_free(tiny_model_dir: Path, policy: str) -> None:
+    with gateway_rig(
+        2, tokenizer=tiny_model_dir, routing={**RELAXED, "policy": policy}, extra=QUICK_MODELS
+    ) as rig:
+        running = [("lora-a",), ()]
+        _slots(rig, running)
+        wait_until(lambda: _seen_by_gateway(rig, running))
+        for _ in range(6):
+            assert _ask(rig, "lora-b").status_code == 200
+        # Replica a's only slot is lora-a's: every lora-b request went to b (SAL's tie-break
+        # and round robin's rotation would both have sent some, or all, to a).
+        assert _sent(rig, 1, "lora-b") == 6
+        assert _sent(rig, 0, "lora-b") == 0
+        assert _slot_decisions(rig, "steered") >= 6
+        # lora-a can start on a (its adapter is in the batch) and on b once b's polls show
+        # its slot free again: nothing keeps it off either.
+        for _ in range(4):
+            assert _ask(rig, "lora-a").status_code == 200
+        assert _sent(rig, 0, "lora-a") + _sent(rig, 1, "lora-a") == 4
+
+
+def test_with_every_slot_full_the_request_is_still_routed(tiny_model_dir: Path) -> None:
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=RELAXED, extra=QUICK_MODELS) as rig:
+        running = [("lora-a",), ("lora-a",)]
+        _slots(rig, running)
+        wait_until(lambda: _seen_by_gateway(rig, running))
+        answers = [_ask(rig, "lora-b").status_code for _ in range(4)]
+        assert answers == [200] * 4  # it waits for a slot in some engine, not a 503
+        assert _sent(rig, 0, "lora-b") + _sent(rig, 1, "lora-b") == 4
+        assert _slot_decisions(rig, "no_free_slot") == 4
+        assert _slot_decisions(rig, "steered") == 0
+
+
+def test_stock_vllm_slots_come_from_its_lora_requests_info(tiny_model_dir: Path) -> None:
+    # No /stats (stock vLLM): vllm:lora_requests_info, whose newest series is now's (the
+    # fake also serves an older one naming an adapter long gone).
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=RELAXED, extra=QUICK_MODELS) as rig:
+        for fake, names in zip(rig.fakes, [("lora-a",), ()], strict=True):
+            fake.adapters = ("lora-a", "lora-b")
+            fake.behaviour = FakeBehaviour(stats_status=404)
+            fake.metrics_max_lora = 1
+            fake.metrics_running_loras = names
+
+        def from_metrics() -> bool:
+            backends = rig.runtime.table.backends(MODEL)
+            served = rig.runtime.catalog.served("lora-b")
+            if served is None or len(served.urls) != 2:
+                return False
+            return all(b.source == "metrics" for b in backends) and [
+                b.stats.lora_running if b.stats else None for b in backends
+            ] == [("lora-a",), ()]
+
+        wait_until(from_metrics)
+        for _ in range(4):
+            assert _ask(rig, "lora-b").status_code == 200
+        assert _sent(rig, 1, "lora-b") == 4
