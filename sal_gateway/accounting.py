@@ -8,7 +8,8 @@ exchange went, and it keeps the books:
   content of a 200 answer marks its backend alive (`StateTable.relayed`, for degraded
   routing);
 * metrics: time to first byte, generation time, requests by status, stream errors and
-  timeouts, upstream connections the gateway closed (``sal_upstream_cancels_total``);
+  timeouts, upstream connections the gateway closed (``sal_upstream_cancels_total``); for a
+  LoRA adapter's request (`Ticket.adapter`) its own requests, TTFT and output tokens too;
 * ``usage`` (prompt and completion tokens) of answered requests feeds the model's
   `BetaEstimator` and ``sal_output_tokens_total``.
 
@@ -53,9 +54,10 @@ class Accounting:
     def first_byte(self, ex: Exchange) -> None:
         """The backend started answering: prefill is done, time to first token known."""
         StateTable.first_byte(ex.ticket)
-        self._metrics.series(ex.model, ex.backend, self._policy_name).ttft.observe(
-            time.perf_counter() - ex.start_s
-        )
+        ttft_s = time.perf_counter() - ex.start_s
+        self._metrics.series(ex.model, ex.backend, self._policy_name).ttft.observe(ttft_s)
+        if ex.ticket.adapter is not None:
+            self._metrics.adapter_ttft.labels(ex.model, ex.ticket.adapter).observe(ttft_s)
 
     def content(self, ex: Exchange) -> None:
         """Content of a 200 answer reached us: the backend serves (`StateTable.relayed`)."""
@@ -90,11 +92,15 @@ class Accounting:
             series.ok_requests.inc()
         else:
             self._metrics.requests.labels(ex.model, ex.backend, str(status)).inc()
+        adapter = ex.ticket.adapter
+        self._metrics.count_adapter_request(ex.model, adapter, status)
         if status < 400:
             series.generation.observe(elapsed_s)
         if usage is not None:
             prompt, completion = usage
             self._metrics.output_tokens.labels(model=ex.model).inc(completion)
+            if adapter is not None:
+                self._metrics.adapter_output_tokens.labels(ex.model, adapter).inc(completion)
             beta = self._betas.get(ex.model)
             if beta is not None:
                 beta.observe(prompt, completion)

@@ -362,9 +362,12 @@ def _blocks(
 async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Response:
     rt: Runtime = request.app.state.runtime
     model_label = "unknown"  # unconfigured names never become label values
+    adapter: str | None = None  # a LoRA adapter's name, once admitted (its own metrics)
     try:
         inbound, raw, count, served = await admit(request, endpoint, rt)
         model_label = inbound.model
+        if served is not None and served.adapter:
+            adapter = inbound.served_model
         rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
         if count.estimated:
             rt.metrics.prompt_tokens_estimated.labels(model=model_label).inc()
@@ -383,7 +386,7 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
             blocks=_blocks(rt, inbound, count, served),
             affinity_key=None if session is None else request.headers.get(session),
             only=None if served is None else served.urls,
-            adapter=inbound.served_model if served is not None and served.adapter else None,
+            adapter=adapter,
         )
         return await _unless_disconnected(request, forward)
     except ClientDisconnect:
@@ -396,6 +399,7 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
         uncancel_current_task()
         exc = rt.drain.error()
         rt.metrics.requests.labels(model=model_label, backend="none", status="503").inc()
+        rt.metrics.count_adapter_request(model_label, adapter, 503)
         return error_response(exc)
     except GatewayError as exc:
         count_rejection(rt, exc)
@@ -403,6 +407,7 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
             rt.metrics.requests.labels(
                 model=model_label, backend=exc.backend or "none", status=str(exc.status)
             ).inc()
+            rt.metrics.count_adapter_request(model_label, adapter, exc.status)
         return error_response(exc)
 
 

@@ -151,6 +151,26 @@ class GatewayMetrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "sal_adapter_requests",
+            "Requests for a LoRA adapter (a name the replicas list with a parent model), by "
+            "HTTP status; also counted under their model in sal_requests_total",
+            ["model", "adapter", "status"],
+            registry=r,
+        )
+        self.adapter_ttft = Histogram(
+            "sal_adapter_ttft_seconds",
+            "Time to first content chunk of a LoRA adapter's requests (as sal_ttft_seconds)",
+            ["model", "adapter"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.adapter_output_tokens = Counter(
+            "sal_adapter_output_tokens",
+            "Completion tokens of a LoRA adapter's answered requests (from usage)",
+            ["model", "adapter"],
+            registry=r,
+        )
         self.stream_errors = Counter(
             "sal_stream_errors", "Upstream failures after the first byte", _MB, registry=r
         )
@@ -343,6 +363,13 @@ class GatewayMetrics:
         self.peers_heard = Gauge(
             "sal_peers_heard", "Other gateways heard within peers.expire_s", registry=r
         )
+
+    def count_adapter_request(self, model: str, adapter: str | None, status: int) -> None:
+        """One request for `adapter` (None: not an adapter's, nothing counted) ended with
+        `status`. Adapter names come from the replicas' ``/v1/models`` only (a name no
+        replica lists is a 404 before any label is made), so clients cannot mint series."""
+        if adapter is not None:
+            self.adapter_requests.labels(model, adapter, str(status)).inc()
 
     def on_peer_sent(self, sent: int, errors: int) -> None:
         """`sal_gateway.peers.PeerNetwork`'s send report."""

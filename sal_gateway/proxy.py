@@ -611,6 +611,7 @@ class Forwarder:
             StateTable.release(ex.ticket)
             self.accounting.upstream_cancelled(ex, "client_disconnect")
             self._metrics.requests.labels(model=ex.model, backend=url, status="499").inc()
+            self._metrics.count_adapter_request(ex.model, ex.ticket.adapter, 499)
             ex.span.end(None)
             raise
         read = b""

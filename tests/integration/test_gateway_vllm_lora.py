@@ -97,6 +97,11 @@ def test_adapter_requests_reach_only_the_replica_that_has_it(
     assert after[0] - before[0] >= 5  # the five adapter requests, maybe base ones too
     assert after[1] - before[1] <= 6  # base requests only
     assert sum(after) - sum(before) == 11
+    # The adapter's own series: its five requests, each with a first token.
+    samples = scrape_metrics(url)
+    labels = {"model": MODEL, "adapter": "lora-a"}
+    assert metric(samples, "sal_adapter_requests_total", status="200", **labels) == 5
+    assert metric(samples, "sal_adapter_ttft_seconds_count", **labels) == 5
 
 
 def test_an_adapter_loaded_at_run_time_is_served_at_once(

@@ -75,6 +75,12 @@ def test_an_adapter_goes_where_a_lora_slot_is_free(tiny_model_dir: Path, policy:
         assert _sent(rig, 1, "lora-b") == 6
         assert _sent(rig, 0, "lora-b") == 0
         assert _slot_decisions(rig, "steered") >= 6
+        # The adapter's own series (its requests also count under the model).
+        text = rig.metrics()
+        labels = {"model": MODEL, "adapter": "lora-b"}
+        assert metric(text, "sal_adapter_requests_total", status="200", **labels) == 6
+        assert metric(text, "sal_adapter_ttft_seconds_count", **labels) == 6
+        assert metric(text, "sal_adapter_output_tokens_total", **labels) == 12
         # lora-a can start on a (its adapter is in the batch) and on b once b's polls show
         # its slot free again: nothing keeps it off either.
         for _ in range(4):

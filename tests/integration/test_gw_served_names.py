@@ -170,6 +170,10 @@ def test_an_adapter_whose_replicas_are_down_is_a_503_not_a_replica_without_it(
         r = httpx.post(f"{rig.url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 503, r.text
         assert "serve the requested name" in r.json()["error"]["message"]
+        refused = metric(
+            rig.metrics(), "sal_adapter_requests_total", adapter="lora-a", status="503"
+        )
+        assert (refused or 0) >= 1  # this 503, and the one before if it was not a 502
         assert "lora-a" not in [m.get("model") for m in b.received]
         # The base model still serves from the survivor.
         body["model"] = MODEL
