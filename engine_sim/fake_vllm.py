@@ -122,6 +122,9 @@ class FakeBackend:
     adapters: tuple[str, ...] = ()
     """LoRA adapters (vLLM's ``--lora-modules``): listed with ``parent`` = `model` and
     accepted; assign a new tuple to load or unload one."""
+    resolvable: tuple[str, ...] = ()
+    """Adapters a LoRA resolver would load on first use: a request naming one adds it to
+    `adapters` (then listed) and is served; any other unknown name is vLLM's 404."""
     behaviour: FakeBehaviour = field(default_factory=FakeBehaviour)
     stats: ReplicaStats = field(default_factory=default_stats)
     metrics_waiting: int = 0
@@ -262,6 +265,9 @@ class FakeBackend:
         self.received.append(body)
         requested = body.get("model") if isinstance(body, dict) else None
         served = (self.model, *self.also_serves, *self.adapters)
+        if isinstance(requested, str) and requested not in served and requested in self.resolvable:
+            self.adapters = (*self.adapters, requested)  # a LoRA resolver loaded it
+            served = (*served, requested)
         if isinstance(requested, str) and requested not in served:
             # vLLM's answer to a model it does not serve (`OpenAIServingModels.check_model`).
             error = {

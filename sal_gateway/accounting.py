@@ -9,7 +9,7 @@ exchange went, and it keeps the books:
   routing);
 * metrics: time to first byte, generation time, requests by status, stream errors and
   timeouts, upstream connections the gateway closed (``sal_upstream_cancels_total``); for a
-  LoRA adapter's request (`Ticket.adapter`) its own requests, TTFT and output tokens too;
+  LoRA adapter's request (`Exchange.adapter_label`) its own requests, TTFT and output tokens too;
 * ``usage`` (prompt and completion tokens) of answered requests feeds the model's
   `BetaEstimator` and ``sal_output_tokens_total``.
 
@@ -56,8 +56,8 @@ class Accounting:
         StateTable.first_byte(ex.ticket)
         ttft_s = time.perf_counter() - ex.start_s
         self._metrics.series(ex.model, ex.backend, self._policy_name).ttft.observe(ttft_s)
-        if ex.ticket.adapter is not None:
-            self._metrics.adapter_ttft.labels(ex.model, ex.ticket.adapter).observe(ttft_s)
+        if ex.adapter_label is not None:
+            self._metrics.adapter_ttft.labels(ex.model, ex.adapter_label).observe(ttft_s)
 
     def content(self, ex: Exchange) -> None:
         """Content of a 200 answer reached us: the backend serves (`StateTable.relayed`)."""
@@ -92,7 +92,7 @@ class Accounting:
             series.ok_requests.inc()
         else:
             self._metrics.requests.labels(ex.model, ex.backend, str(status)).inc()
-        adapter = ex.ticket.adapter
+        adapter = ex.adapter_label
         self._metrics.count_adapter_request(ex.model, adapter, status)
         if status < 400:
             series.generation.observe(elapsed_s)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from sal_gateway.adapter_patterns import resolvable_owner
 from sal_gateway.api_body import parse_api_body
 from sal_gateway.endpoints import ApiEndpoint, serves
 from sal_gateway.errors import (
@@ -216,12 +217,24 @@ async def resolve_served(
 ) -> tuple[InboundRequest, ServedName | None]:
     """`inbound` routed by configured model: unchanged for a configured model's name; for a
     name its replicas serve besides one, that model (`InboundRequest.served_model` keeps the
-    name) and where the name is served. Raises `ModelNotFound` for a name nobody serves,
-    after at most one re-read of the replicas' model lists (`SERVED_REFRESH_S`)."""
+    name) and where the name is served; for a name a model's ``resolvable_adapters`` match,
+    that model and all its backends, at once. Raises `ModelNotFound` for a name nobody
+    serves, after at most one re-read of the replicas' model lists (`SERVED_REFRESH_S`)."""
     name = inbound.model
     if name in rt.counters:
         return inbound, None
-    served = await rt.catalog.find(name, SERVED_REFRESH_S)
+    served = rt.catalog.served(name)
+    patterns = ((m.name, m.resolvable_adapters) for m in rt.config.models)
+    owner = resolvable_owner(patterns, name)
+    if owner is not None and owner in rt.counters and (served is None or served.model == owner):
+        # Any of the owner's replicas can load it (vLLM's LoRA resolvers): no re-read to
+        # wait for, and not only where it is loaded already (SAL weighs those replicas and
+        # their LoRA slots).
+        pool = frozenset(b.url for b in rt.table.backends(owner))
+        resolvable = ServedName(owner, pool, adapter=True, listed=served is not None)
+        return dataclasses.replace(inbound, model=owner, served_model=name), resolvable
+    if served is None:
+        served = await rt.catalog.find(name, SERVED_REFRESH_S)
     if served is None or served.model not in rt.counters:
         raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
     return dataclasses.replace(inbound, model=served.model, served_model=name), served

@@ -366,8 +366,10 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
     try:
         inbound, raw, count, served = await admit(request, endpoint, rt)
         model_label = inbound.model
-        if served is not None and served.adapter:
-            adapter = inbound.served_model
+        routed_adapter = inbound.served_model if served is not None and served.adapter else None
+        listed = served is None or served.listed
+        if listed:
+            adapter = routed_adapter
         rt.metrics.prompt_tokens.labels(model=model_label).inc(count.total)
         if count.estimated:
             rt.metrics.prompt_tokens_estimated.labels(model=model_label).inc()
@@ -386,7 +388,8 @@ async def _generate(request: Request, endpoint: Endpoint | ApiEndpoint) -> Respo
             blocks=_blocks(rt, inbound, count, served),
             affinity_key=None if session is None else request.headers.get(session),
             only=None if served is None else served.urls,
-            adapter=adapter,
+            adapter=routed_adapter,
+            listed=listed,
         )
         return await _unless_disconnected(request, forward)
     except ClientDisconnect:

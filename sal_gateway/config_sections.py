@@ -153,6 +153,9 @@ def _model(path: str, data: Mapping[str, Any]) -> ModelConfig:
         ),
         runner=_runner(f"{path}.runner", data.get("runner", "generate")),
         models_refresh_s=_as_float(f"{path}.models_refresh_s", data.get("models_refresh_s", 15.0)),
+        resolvable_adapters=_patterns(
+            f"{path}.resolvable_adapters", data.get("resolvable_adapters", [])
+        ),
         kv_events_endpoints=_kv_endpoints(
             f"{path}.kv_events_endpoints", data.get("kv_events_endpoints") or {}
         ),
@@ -165,6 +168,23 @@ def _kv_endpoints(path: str, value: object) -> tuple[tuple[str, str], ...]:
         (_backend_url(f"{path}[{url!r}]", url), _zmq_endpoint(f"{path}[{url!r}]", endpoint))
         for url, endpoint in mapping.items()
     )
+
+
+MAX_PATTERNS = 64
+MAX_PATTERN_CHARS = 256
+
+
+def _patterns(path: str, value: object) -> tuple[str, ...]:
+    patterns = _str_list(path, value)
+    if len(patterns) > MAX_PATTERNS:
+        raise ConfigError(f"{path}: at most {MAX_PATTERNS} patterns, got {len(patterns)}")
+    for i, pattern in enumerate(patterns):
+        if not pattern or len(pattern) > MAX_PATTERN_CHARS:
+            raise ConfigError(
+                f"{path}[{i}]: a pattern of 1 to {MAX_PATTERN_CHARS} characters, "
+                f"got {pattern!r:.80}"
+            )
+    return patterns
 
 
 def _runner(path: str, value: object) -> str:

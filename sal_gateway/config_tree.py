@@ -118,6 +118,13 @@ class ModelConfig:
     models_refresh_s: float = 15.0
     """How often each backend's ``/v1/models`` is read for the gateway's own ``/v1/models``
     (the union of what the replicas serve, never an upstream call per client request)."""
+    resolvable_adapters: tuple[str, ...] = ()
+    """Glob patterns (``fnmatch``, case-sensitive; ``*`` for any) of LoRA adapter names this
+    model's replicas load on first use (vLLM's LoRA resolver plugins, with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). A request naming one that no replica lists
+    may go to any of the model's replicas, which loads it; empty: a name no replica lists is
+    a 404. Names with ``..``, a leading ``/``, a backslash, whitespace or control
+    characters never match (`model_catalog.resolvable_owner`)."""
     kv_events_endpoints: tuple[tuple[str, str], ...] = ()
     """``routing.prefix_cache: kv_events`` only: each backend URL's ZMQ endpoint of vLLM's
     KV-cache event publisher (its ``--kv-events-config`` ``endpoint``, as seen from the

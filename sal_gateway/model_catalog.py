@@ -75,6 +75,9 @@ class ServedName:
     adapter: bool
     """A LoRA adapter (its card names a ``parent``): vLLM keys its KV blocks by the adapter,
     so the base model's prefix cache is not its own."""
+    listed: bool = True
+    """Some backend's ``/v1/models`` lists the name. False: it only matched the model's
+    ``resolvable_adapters`` (`adapter_patterns`), and a replica will load it on first use."""
 
 
 @dataclass(slots=True)

@@ -330,6 +330,7 @@ class Forwarder:
         affinity_key: str | None = None,
         only: frozenset[str] | None = None,
         adapter: str | None = None,
+        listed: bool = True,
     ) -> Response:
         """Send `inbound` to the best backend (chosen by `policy`, default the configured
         one) and return the response to relay. `blocks` (the prompt's block keys) and
@@ -338,7 +339,10 @@ class Forwarder:
         backends that serve the name the request asked for (`inbound.served_model`: an
         adapter or other name besides the model's own), the others are never tried.
         `adapter`: the LoRA adapter it names (routed where a LoRA slot lets it start now,
-        when one does).
+        when one does). `listed` False: no backend lists the name yet (an adapter the
+        replicas load on first use, ``resolvable_adapters``): the first backend's "does not
+        exist" 404 is the answer (the others' resolvers would say the same; no flood of
+        made-up names multiplies upstream), and the request gets no adapter series.
 
         Retries (at most ``routing.max_retries``, each on a backend not tried yet) only what
         cannot have generated anything and what the client has seen nothing of: connect
@@ -410,6 +414,8 @@ class Forwarder:
                 injected is not None,
             )
             ex.span = trace.upstream(url, inbound.upstream_path)
+            ex.adapter_label = adapter if listed else None
+            ex.name_listed = listed
             ex.idle_s = self._proxy.stream_idle_timeout_s
             ex.fresh_connection = fresh
             ex.drain = self._drain
@@ -421,6 +427,8 @@ class Forwarder:
                 ex.span.end(None, failure.cause)
                 StateTable.release(ex.ticket)
                 failures.append(failure)
+                if failure.not_served and not listed:
+                    raise failure.cause from None  # no replica could load it
                 if failure.not_served:  # another replica may still serve the adapter
                     tried.add(url)
                     fresh = False
@@ -611,7 +619,7 @@ class Forwarder:
             StateTable.release(ex.ticket)
             self.accounting.upstream_cancelled(ex, "client_disconnect")
             self._metrics.requests.labels(model=ex.model, backend=url, status="499").inc()
-            self._metrics.count_adapter_request(ex.model, ex.ticket.adapter, 499)
+            self._metrics.count_adapter_request(ex.model, ex.adapter_label, 499)
             ex.span.end(None)
             raise
         read = b""
@@ -681,12 +689,13 @@ class Forwarder:
         if not says_model_missing(read):
             return read
         resp.close()
-        logger.warning(
-            "%s answered 404 for %r, which its last /v1/models listed: it no longer serves "
-            "it (unloaded, or restarted without it); trying another replica",
-            ex.backend,
-            name,
-        )
+        if ex.name_listed:
+            logger.warning(
+                "%s answered 404 for %r, which its last /v1/models listed: it no longer "
+                "serves it (unloaded, or restarted without it); trying another replica",
+                ex.backend,
+                name,
+            )
         if self._on_not_served is not None:
             self._on_not_served(ex.model, ex.backend, name)
         cause = ModelNotFound(f"The model `{name}` does not exist.", param="model")

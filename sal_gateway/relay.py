@@ -95,6 +95,12 @@ class Exchange:
     """Whether the request went out on a reused pooled connection (set by the session)."""
     fresh_connection: bool = False
     """Send on a new connection of its own (the retry after a stale pooled one)."""
+    name_listed: bool = True
+    """The served name the request asked for is listed by some backend (False: a name the
+    replicas may load on first use; their 404 for it is no news worth a warning)."""
+    adapter_label: str | None = None
+    """The LoRA adapter the request named, for its own metric series (None: the base model,
+    or a name no replica lists yet, which clients could otherwise mint series with)."""
     drain: Drain | None = None
     """The process's shutdown state: a cancellation while it drains is the shutdown's
     (`Drain.is_shutdown`), and a stream then ends with an error event, not a cut."""
