@@ -26,6 +26,7 @@ who answered; the request body is echoed under ``"echo"`` in non-streaming respo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -109,6 +110,10 @@ class FakeBehaviour:
     keep_alive_s: float | None = None
     """During a stall, an SSE comment (``: keep-alive``) every this many seconds, as vLLM's
     API server sends with ``--sse-keep-alive-interval`` (even when its engine froze)."""
+    end_delay_s: float = 0.0
+    """Streams: the body's end (the chunked terminator) follows ``data: [DONE]`` this much
+    later, in a write of its own (vLLM's API server sends the two apart too; a busy one
+    can leave a gap between them)."""
 
 
 @dataclass(slots=True)
@@ -405,7 +410,16 @@ class FakeBackend:
                     "body": b"data: " + json.dumps(event).encode() + b"\n\n",
                 }
             )
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        if b.end_delay_s <= 0:
+            await send(
+                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+            )
+            return
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), b.end_delay_s)
+        if not gone.is_set():
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send_large_json(self, send: Send, obj: object, gone: asyncio.Event) -> None:
         """A non-streamed answer: up to `BODY_PIECE_BYTES`, one message with its length; a

@@ -95,9 +95,6 @@ class Exchange:
     """Whether the request went out on a reused pooled connection (set by the session)."""
     fresh_connection: bool = False
     """Send on a new connection of its own (the retry after a stale pooled one)."""
-    name_listed: bool = True
-    """The served name the request asked for is listed by some backend (False: a name the
-    replicas may load on first use; their 404 for it is no news worth a warning)."""
     adapter_label: str | None = None
     """The LoRA adapter the request named, for its own metric series (None: the base model,
     or a name no replica lists yet, which clients could otherwise mint series with)."""
@@ -220,6 +217,7 @@ async def relay_stream(
         loop.time() if head.chunk and not comments_only(head.chunk) else ex.headers_at_s or None,
     )
     started = False  # the client has its headers
+    delivered = False  # the client has the whole stream, ``data: [DONE]`` included
     try:
         watch.sending = True
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
@@ -246,24 +244,33 @@ async def relay_stream(
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 watch.sending = False
                 watch.touch(raw)
+                delivered = tail.endswith(SSE_DONE)
             if watch.fired and not ex.client_gone:
                 raise aiohttp.SocketTimeoutError("stream idle")
         except (aiohttp.ClientError, TimeoutError) as exc:
             # The watch closed the connection: whatever the read raised, it was the idle bound.
             failure = aiohttp.SocketTimeoutError("stream idle") if watch.fired else exc
-            broken = True
             if not ex.client_gone:
+                broken = True
                 resp.close()  # before anything else: vLLM aborts the request now
                 err = settler.stream_failed(ex, failure)
                 held = stripper.flush() if stripper is not None else b""
                 await send(_error_message(err, tail + held, held))
-        if ex.client_gone:
+        # A client gone after ``[DONE]`` reached it hung up before the backend's body had
+        # quite ended (vLLM sends the chunked terminator in a write of its own): a served
+        # request, and closing the upstream connection cancelled nothing.
+        if ex.client_gone and not delivered:
             status = 499  # nginx's "client closed request"
             settler.upstream_cancelled(ex, "client_disconnect")
-        else:
+        elif not ex.client_gone:
             held = stripper.flush() if stripper is not None else b""
             await send({"type": "http.response.body", "body": held, "more_body": False})
     except BaseException as exc:  # cancelled (shutdown) or the send to the client failed
+        if delivered:  # whatever ended it now, the client has the whole stream: served
+            if ex.drain is not None and ex.drain.is_shutdown(exc):
+                uncancel_current_task()
+                return
+            raise
         if ex.drain is not None and ex.drain.is_shutdown(exc) and started and not broken:
             # The shutdown grace ran out: close upstream (vLLM aborts), tell the client.
             broken = True
