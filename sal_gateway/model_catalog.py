@@ -142,13 +142,15 @@ class ModelCatalog:
             del self._cards[key]
             self._changed()
 
-    def forget_name(self, model: str, url: str, name: str) -> None:
+    def forget_name(self, model: str, url: str, name: str) -> bool:
         """`url` (of `model`'s pool) answered 404 for `name`: drop it there until the
-        backend's next read says otherwise."""
+        backend's next read says otherwise. Whether its last read listed `name`."""
         cards = self._cards.get((model, url))
-        if cards is not None and any(c["id"] == name for c in cards):
-            self._cards[(model, url)] = tuple(c for c in cards if c["id"] != name)
-            self._changed()
+        if cards is None or not any(c["id"] == name for c in cards):
+            return False
+        self._cards[(model, url)] = tuple(c for c in cards if c["id"] != name)
+        self._changed()
+        return True
 
     # --- names served besides the configured ones ----------------------------------------
 

@@ -181,12 +181,13 @@ class Forwarder:
         clock: Callable[[], float] = time.monotonic,
         prefix: PrefixTracker | None = None,
         drain: Drain | None = None,
-        on_not_served: Callable[[str, str, str], None] | None = None,
+        on_not_served: Callable[[str, str, str], bool] | None = None,
     ) -> None:
         self._session = session
         self._on_not_served = on_not_served
         """``(model, url, name)``: `url` answered 404 for served name `name` (the catalog
-        forgets it there until its next ``/v1/models`` read)."""
+        forgets it there until its next ``/v1/models`` read); True when `url`'s last
+        ``/v1/models`` listed it."""
         self._drain = drain
         self._fresh: aiohttp.ClientSession | None = None
         """One connection per request, for the retry after a stale pooled connection
@@ -415,7 +416,6 @@ class Forwarder:
             )
             ex.span = trace.upstream(url, inbound.upstream_path)
             ex.adapter_label = adapter if listed else None
-            ex.name_listed = listed
             ex.idle_s = self._proxy.stream_idle_timeout_s
             ex.fresh_connection = fresh
             ex.drain = self._drain
@@ -689,15 +689,15 @@ class Forwarder:
         if not says_model_missing(read):
             return read
         resp.close()
-        if ex.name_listed:
+        # A replica that never listed the name (one that could not load a resolvable
+        # adapter another replica has loaded) is no news worth a warning.
+        if self._on_not_served is not None and self._on_not_served(ex.model, ex.backend, name):
             logger.warning(
                 "%s answered 404 for %r, which its last /v1/models listed: it no longer "
                 "serves it (unloaded, or restarted without it); trying another replica",
                 ex.backend,
                 name,
             )
-        if self._on_not_served is not None:
-            self._on_not_served(ex.model, ex.backend, name)
         cause = ModelNotFound(f"The model `{name}` does not exist.", param="model")
         raise _Retry(ex.backend, cause, not_served=True)
 

@@ -10,13 +10,14 @@ replica in turn, or a name like ``../x`` reaches a replica's resolver at all.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric
+from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
 RELAXED = {"stale_after_s": 5.0, "poll_timeout_s": 2.0, "eject_after_failures": 5}
 RESOLVABLE = {"models": [{"resolvable_adapters": ["team-*", "*/*"]}]}
@@ -74,3 +75,41 @@ def test_a_name_that_could_leave_the_resolvers_directory_never_reaches_a_replica
     answer = _ask(rig, name)
     assert answer.status_code == 404
     assert sum(_received(rig, name)) == 0
+
+
+def test_a_replica_that_cannot_load_an_adapter_another_lists_passes_it_on_quietly(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replica a has loaded team-a; b's resolver cannot load it. Requests that round robin
+    sends to b are answered by a, and b's 404 is no warning (b never listed it). When a
+    unloads it, a's 404 is one: its last ``/v1/models`` listed the adapter."""
+    with gateway_rig(
+        2,
+        tokenizer=tiny_model_dir,
+        routing={**RELAXED, "policy": "round_robin"},
+        extra={"models": [{"resolvable_adapters": ["team-*"], "models_refresh_s": 60.0}]},
+    ) as rig:
+        a, b = rig.fakes
+        a.adapters = ("team-a",)
+
+        def listed() -> bool:
+            models = httpx.get(f"{rig.url}/v1/models", timeout=5.0).json()["data"]
+            return "team-a" in {m["id"] for m in models}
+
+        # A name no pattern matches makes the gateway re-read the replicas' model lists
+        # (no periodic read comes for a minute: what a lists below stays what it read).
+        wait_until(lambda: _ask(rig, "other").status_code == 404 and listed())
+        caplog.set_level(logging.WARNING, logger="sal_gateway")
+        answers = [_ask(rig, "team-a") for _ in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4, answers[0].text
+        assert {a.json()["backend"] for a in answers} == {"a"}
+        assert _received(rig, "team-a")[1] >= 1  # b was tried, and said it does not exist
+        assert not [r for r in caplog.records if "no longer serves" in r.getMessage()]
+
+        a.adapters = ()  # unloaded: a's next 404 contradicts its last /v1/models
+        answer = _ask(rig, "team-a")
+        assert answer.status_code == 404
+        warned = [r.getMessage() for r in caplog.records if "no longer serves" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert rig.served[0].url in warned[0]
+        assert b.resolvable == ()

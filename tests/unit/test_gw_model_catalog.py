@@ -46,11 +46,14 @@ def test_a_backend_leaving_or_unloading_takes_its_names_along() -> None:
 
 def test_a_404_for_a_name_drops_it_on_that_backend_only() -> None:
     catalog = fleet()
-    catalog.forget_name("m1", "u2", "lora-a")
+    assert catalog.forget_name("m1", "u2", "lora-a") is True  # its last read listed it
     assert catalog.served("lora-a") == ServedName("m1", frozenset({"u1"}), adapter=True)
-    catalog.forget_name("m1", "u1", "lora-a")
+    assert catalog.forget_name("m1", "u2", "lora-a") is False  # forgotten already
+    assert catalog.forget_name("m1", "u1", "lora-a") is True
     assert catalog.served("lora-a") == ServedName("m2", frozenset({"u3"}), adapter=True)
-    catalog.forget_name("m1", "nowhere", "lora-a")  # a backend that left: nothing to do
+    assert catalog.forget_name("m1", "u1", "never-listed") is False
+    # A backend that left: nothing to do.
+    assert catalog.forget_name("m1", "nowhere", "lora-a") is False
     # The next good read restores it.
     catalog.update("m1", "u1", (card("m1"), card("lora-a", "m1")))
     assert catalog.served("lora-a") == ServedName("m1", frozenset({"u1"}), adapter=True)
