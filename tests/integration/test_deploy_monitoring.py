@@ -11,6 +11,7 @@ appear; then every metric and label the dashboard and the alert rules query must
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -124,6 +125,9 @@ def test_dashboard_covers_what_operators_watch(dashboard: dict[str, Any]) -> Non
         "sal_stream_errors_total",
         "sal_requests_total",  # errors by status
         "sal_beta",
+        "sal_adapter_requests_total",  # per LoRA adapter
+        "sal_adapter_ttft_seconds_bucket",
+        "sal_lora_slot_decisions_total",
     } <= used
     queries = " ".join(expr for _, expr in _dashboard_queries(dashboard))
     for quantile in ("0.5", "0.95", "0.99"):
@@ -242,7 +246,9 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     ]
     emulator_port = _free_port()
     emulator_url = f"http://127.0.0.1:{emulator_port}"
-    static = FakeBackend(name="static", model=model)
+    # The fake replica also serves two LoRA adapters, with one slot, held by other-lora.
+    static = FakeBackend(name="static", model=model, adapters=("demo-lora", "other-lora"))
+    static.stats = dataclasses.replace(static.stats, max_loras=1, lora_running=("other-lora",))
     static_server = ServedBackend(static)
     with contextlib.ExitStack() as stack:
         emulator = _popen(_emulator_command(emulator_port), dict(os.environ), logs / "emulator.log")
@@ -274,6 +280,10 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 
             _wait(both_eligible, "/ready with both backends", gateway, log)
             _drive_traffic(client, model)
+            # demo-lora: only the fake replica lists it, and its one slot is other-lora's.
+            lora = {"model": "demo-lora", "prompt": "hello adapter", "max_tokens": 4}
+            for _ in range(2):
+                assert client.post("/v1/completions", json=lora).status_code == 200
             # The fake replica cuts streams after the first chunk: a stream error once the
             # gateway routes a stream there (SAL alternates between idle replicas).
             static.behaviour.close_after_chunks = 1
@@ -373,3 +383,10 @@ def test_faults_show_up_where_the_dashboard_looks(live_metrics: dict[str, Any]) 
     assert re.search(r'sal_stream_errors_total\{backend="[^"]+",model="tiny"\} [1-9]', text)
     # The request for an unknown model reached no backend and is counted as such.
     assert re.search(r'sal_requests_total\{backend="none",model="[^"]+",status="404"\} 1', text)
+    # The adapter's requests waited for the fake replica's only LoRA slot (other-lora's).
+    assert re.search(
+        r'sal_lora_slot_decisions_total\{model="tiny",outcome="no_free_slot"\} 2', text
+    )
+    assert re.search(
+        r'sal_adapter_requests_total\{adapter="demo-lora",model="tiny",status="200"\} 2', text
+    )
