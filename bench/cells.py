@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 Task = TypeVar("Task")
@@ -56,3 +57,26 @@ def run_cells(
 def _numbered(item: tuple[int, Callable[[Any], list[Row]], Any]) -> tuple[int, list[Row]]:
     n, cell, task = item
     return n, cell(task)
+
+
+def refused(command: str, data_dir: Path, jobs: int) -> int | None:
+    """2, with the reason on stderr, when an Azure trace the trace-window sweeps replay is
+    missing from `data_dir` or `jobs` is below 1; None when `command` can run."""
+    from engine_sim.data import AZURE_CHAT, AZURE_CODE, missing_message
+
+    for name in (AZURE_CHAT, AZURE_CODE):
+        if not (data_dir / name).is_file():
+            missing = missing_message(data_dir / name, "--data-dir")
+            print(f"sal-bench {command}: error: {missing}", file=sys.stderr)
+            return 2
+    if jobs < 1:
+        print(f"sal-bench {command}: error: --jobs must be >= 1", file=sys.stderr)
+        return 2
+    return None
+
+
+def window_tasks(
+    workloads: Sequence[str], windows: int, plan: Any, folder: Path
+) -> list[tuple[str, int, Any, Path]]:
+    """One cell per (workload, trace window): ``(workload, window index, plan, folder)``."""
+    return [(w, i, plan, folder) for w in workloads for i in range(windows)]

@@ -18,6 +18,7 @@ from bench import (
     fuzz_bench,
     gateways,
     larry_tail,
+    lora_bench,
     prefix_bench,
     prefix_real,
     real_path,
@@ -87,6 +88,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("fuzz", fuzz_bench.HELP, fuzz_bench.configure, fuzz_bench.run),
     Command("prefix", prefix_bench.HELP, prefix_bench.configure, prefix_bench.run),
+    Command("lora", lora_bench.HELP, lora_bench.configure, lora_bench.run),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 

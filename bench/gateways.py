@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -34,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cells import log, run_cells
-from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
+from bench.cells import log, refused, run_cells, window_tasks
+from engine_sim.data import data_dir
 
 HELP = (
     "routing quality and herding with K = 1, 2, 4, 8 gateways, independent or sharing "
@@ -203,8 +202,7 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
 
 
 def measure(plan: Plan, folder: Path, jobs: int) -> list[Row]:
-    tasks = [(w, i, plan, folder) for w in plan.workloads for i in range(plan.windows)]
-    return run_cells(_cell, tasks, jobs)
+    return run_cells(_cell, window_tasks(plan.workloads, plan.windows, plan, folder), jobs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,14 +210,8 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.gateways_report import write_report
 
-    for name in (AZURE_CHAT, AZURE_CODE):
-        if not (args.data_dir / name).is_file():
-            missing = missing_message(args.data_dir / name, "--data-dir")
-            print(f"sal-bench gateways: error: {missing}", file=sys.stderr)
-            return 2
-    if args.jobs < 1:
-        print("sal-bench gateways: error: --jobs must be >= 1", file=sys.stderr)
-        return 2
+    if (code := refused("gateways", args.data_dir, args.jobs)) is not None:
+        return code
     plan = QUICK if args.quick else FULL
     if args.split:
         plan = replace(plan, split=args.split)

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.cells import log, run_cells
-from engine_sim.data import AZURE_CHAT, AZURE_CODE, data_dir, missing_message
+from bench.cells import log, refused, run_cells, window_tasks
+from engine_sim.data import data_dir
 from sal_core.policies import SAL, BackendView, Decision, RouteRequest
 
 HELP = "SAL's sensitivity to beta, poll period and stats delay (simulator, 3 windows)"
@@ -178,21 +177,14 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
 
 
 def measure(plan: Plan, folder: Path, jobs: int) -> list[Row]:
-    tasks = [(w, i, plan, folder) for w in plan.workloads for i in range(plan.windows)]
-    return run_cells(_cell, tasks, jobs)
+    return run_cells(_cell, window_tasks(plan.workloads, plan.windows, plan, folder), jobs)
 
 
 def run(args: argparse.Namespace) -> int:
     from bench.sensitivity_report import write_report
 
-    for name in (AZURE_CHAT, AZURE_CODE):
-        if not (args.data_dir / name).is_file():
-            missing = missing_message(args.data_dir / name, "--data-dir")
-            print(f"sal-bench sensitivity: error: {missing}", file=sys.stderr)
-            return 2
-    if args.jobs < 1:
-        print("sal-bench sensitivity: error: --jobs must be >= 1", file=sys.stderr)
-        return 2
+    if (code := refused("sensitivity", args.data_dir, args.jobs)) is not None:
+        return code
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
     rows = measure(plan, args.data_dir, args.jobs)

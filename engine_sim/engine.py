@@ -79,6 +79,8 @@ class SimRequest:
     """Keys of the cached blocks it holds, in block order (engine bookkeeping)."""
     next_promote: int = 0
     """Index of its first block not yet offered to the cache (engine bookkeeping)."""
+    adapter: str | None = None
+    """Its LoRA adapter (None: the base model); see `EngineConfig.max_loras`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,12 @@ class EngineConfig:
     """Keep computed full blocks cached and reuse them by `SimRequest.block_keys`
     (``--enable-prefix-caching``; `engine_sim.kv_cache`). Off by default here, so runs
     without it are exactly the model without a cache (vLLM turns it on by default)."""
+    max_loras: int = 0
+    """LoRA adapters one step's batch may hold (``--max-loras``; 0: LoRA off, no limit). As
+    vLLM's scheduler does ("Scheduling would exceed max_loras, skip"), a waiting request
+    whose adapter is not in the step's batch when the batch already holds `max_loras`
+    adapters is skipped, keeping its place, and the requests behind it are considered. The
+    kernels' LoRA cost is not modelled (the same for every router)."""
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -126,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"unknown engine scheduler {self.scheduler!r} (known: {known})")
         if self.trail_c < 0:
             raise ValueError(f"EngineConfig.trail_c must be >= 0, got {self.trail_c}")
+        if self.max_loras < 0:
+            raise ValueError(f"EngineConfig.max_loras must be >= 0, got {self.max_loras}")
         if self.tail_margin_s is not None and not 0 <= self.tail_margin_s < float("inf"):
             raise ValueError(
                 f"EngineConfig.tail_margin_s must be a finite number >= 0, got {self.tail_margin_s}"
@@ -155,6 +165,12 @@ class _Work(NamedTuple):
     decode_seqs: int
     context_tokens: int
     attention_pairs: int
+
+
+def _lora_waits(req: SimRequest, loras: set[str], max_loras: int) -> bool:
+    """Whether `req` must wait for a LoRA slot: its adapter is not among the step's
+    `loras`, which fill all `max_loras` slots (vLLM's scheduler skips it)."""
+    return req.adapter is not None and req.adapter not in loras and len(loras) >= max_loras
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -263,6 +279,9 @@ class EngineModel:
             prefix_caching=self.cache is not None,
             prefix_cache_query_tokens=self.prefix_queries_tokens,
             prefix_cache_hit_tokens=self.prefix_hits_tokens,
+            # sal-stats/1.2: LoRA slots.
+            max_loras=cfg.max_loras,
+            lora_running=tuple(sorted({r.adapter for r in self._running if r.adapter})),
         )
 
     # --- commands -----------------------------------------------------------------------
@@ -504,8 +523,13 @@ class EngineModel:
         reserve_tokens = self.policy.reserve_tokens
         full = cfg.reserve_full_prompt
         prefill_tokens = attention_pairs = 0
+        loras = self._step_loras(sched)
+        skipped: list[SimRequest] = []
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
+            if loras is not None and _lora_waits(req, loras, cfg.max_loras):
+                skipped.append(waiting.popleft())
+                continue
             num_tokens = req.prompt_tokens + req.output_done
             num_new = num_tokens
             if num_new > budget:
@@ -527,6 +551,9 @@ class EngineModel:
             budget -= num_new
             prefill_tokens += num_new
             attention_pairs += num_new * (num_new + 1) // 2
+            if loras is not None and req.adapter is not None:
+                loras.add(req.adapter)
+        waiting.extendleft(reversed(skipped))  # back at the front, in their order
         return _Work(prefill_tokens, 0, prefill_tokens, attention_pairs)
 
     def _schedule_waiting_cached(
@@ -545,8 +572,13 @@ class EngineModel:
         reserve_tokens = self.policy.reserve_tokens
         full = cfg.reserve_full_prompt
         prefill_tokens = context_tokens = attention_pairs = 0
+        loras = self._step_loras(sched)
+        skipped: list[SimRequest] = []
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting[0]
+            if loras is not None and _lora_waits(req, loras, cfg.max_loras):
+                skipped.append(waiting.popleft())
+                continue
             num_tokens = req.prompt_tokens + req.output_done
             keys = req.block_keys
             hit, held = cache.lookup(keys, (num_tokens - 1) // bs) if keys else (0, 0)
@@ -587,7 +619,17 @@ class EngineModel:
             prefill_tokens += num_new
             context_tokens += computed + num_new
             attention_pairs += num_new * computed + num_new * (num_new + 1) // 2
+            if loras is not None and req.adapter is not None:
+                loras.add(req.adapter)
+        waiting.extendleft(reversed(skipped))  # back at the front, in their order
         return _Work(prefill_tokens, 0, context_tokens, attention_pairs)
+
+    def _step_loras(self, sched: list[SimRequest]) -> set[str] | None:
+        """The adapters of this step's batch so far (the running requests it scheduled);
+        None when LoRA slots are off (`EngineConfig.max_loras` 0)."""
+        if self.config.max_loras <= 0:
+            return None
+        return {r.adapter for r in sched if r.adapter is not None}
 
     def _apply(
         self, sched: list[SimRequest], sched_tokens: list[int], end_s: float

@@ -57,6 +57,7 @@ from engine_sim.results import RequestOutcome, Summary, summarize
 from engine_sim.router_cache import CACHE_SOURCES, CacheView, RouterCache
 from engine_sim.trace import TraceRequest
 from sal_core.beta import BetaEstimator
+from sal_core.lora_slots import can_start, lora_route
 from sal_core.policies import (
     DEFAULT_MIN_MATCH_TOKENS,
     BackendView,
@@ -150,6 +151,16 @@ class RouterConfig:
     None: off."""
     gossip_delay_s: float = 0.001
     """One-way network delay of a gossip message (see `gossip_interval_s`)."""
+    lora_slots: bool = True
+    """Before the policy scores an adapter's request, narrow the candidates as the gateway
+    does for every policy (`sal_core.lora_slots.lora_route`): to the replicas that can
+    start it now, when one can, and among them to those already running its adapter
+    unless their queues are more than a step longer. A replica's slots are the last
+    snapshot's ``lora_running`` plus the adapters this gateway routed there since. False:
+    the policy alone (what a LoRA-blind router does)."""
+    lora_affinity: bool = True
+    """With `lora_slots`: prefer the replicas already running the adapter (the gateway's
+    rule). False: only the free-slot filter (a what-if: the gateway always prefers them)."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -241,6 +252,7 @@ class _Ticket:
     kv_tokens: int
     """Free KV tokens it takes (prompt tokens not in blocks a running request holds)."""
     counted: bool = True
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -270,8 +282,10 @@ class _RouterView:
         while self.unacked and self.unacked[0].sent_s < cutoff_s:
             self._uncount(self.unacked.popleft())
 
-    def route(self, queued_tokens: int, kv_tokens: int, now_s: float) -> _Ticket:
-        ticket = _Ticket(now_s, queued_tokens, kv_tokens)
+    def route(
+        self, queued_tokens: int, kv_tokens: int, now_s: float, adapter: str | None = None
+    ) -> _Ticket:
+        ticket = _Ticket(now_s, queued_tokens, kv_tokens, adapter=adapter)
         self.routed_tokens += queued_tokens
         self.routed_kv_tokens += kv_tokens
         self.in_flight += 1
@@ -288,6 +302,16 @@ class _RouterView:
             ticket.counted = False
             self.routed_tokens -= ticket.queued_tokens
             self.routed_kv_tokens -= ticket.kv_tokens
+
+    def lora_occupied(self) -> frozenset[str] | None:
+        """The adapters holding the replica's LoRA slots as far as the router knows (the
+        snapshot's, plus those it routed there that no snapshot includes yet); None when
+        the replica reports no slots (`sal_gateway.state.BackendState.lora_occupied`)."""
+        snap = self.snapshot
+        if snap.max_loras <= 0:
+            return None
+        pending = {t.adapter for t in self.unacked if t.counted and t.adapter is not None}
+        return frozenset(snap.lora_running).union(pending)
 
     def counts(self) -> tuple[int, int, int]:
         """(in flight, unacknowledged prefill tokens, their KV tokens)."""
@@ -538,6 +562,18 @@ class Simulation:
             v.backend_view(u, hold, c)
             for v, u, hold, c in zip(views, self._urls, holds, counts, strict=True)
         ]
+        if req.adapter is not None and self._router_cfg.lora_slots:
+            blocked, holders = set(), set()
+            for v, u in zip(views, self._urls, strict=True):
+                occupied = v.lora_occupied()
+                if occupied is None:
+                    continue
+                if req.adapter in occupied:
+                    if self._router_cfg.lora_affinity:
+                        holders.add(u)
+                elif not can_start(req.adapter, v.snapshot.max_loras, occupied):
+                    blocked.add(u)
+            backends, _ = lora_route(backends, blocked, holders)
         decision = self._policies[gateway].select(
             RouteRequest(
                 req.prompt_tokens,
@@ -554,7 +590,10 @@ class Simulation:
         self._decisions.append(RoutingRecord(now_s, gateway, replica, views[0].snapshot.time))
         hold = holds[replica] if self._account_cache else CacheView()
         self._tickets[request_id] = views[replica].route(
-            req.prompt_tokens - hold.cached_tokens, req.prompt_tokens - hold.held_tokens, now_s
+            req.prompt_tokens - hold.cached_tokens,
+            req.prompt_tokens - hold.held_tokens,
+            now_s,
+            req.adapter,
         )
         if keys:
             cache.on_route(replica, keys)
@@ -707,6 +746,7 @@ def submit_to_engine_model(
             prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens,
             block_keys=keys,
+            adapter=req.adapter,
         )
     )
 

@@ -48,6 +48,9 @@ class TraceRequest:
     any other request (the Azure traces)."""
     session: str | None = None
     """Conversation it belongs to (what a session header would carry); None: unknown."""
+    adapter: str | None = None
+    """The LoRA adapter it names (`engine_sim.workloads.with_adapters`); None: the base
+    model."""
 
 
 def _parse_timestamp(text: str) -> float:

@@ -10,8 +10,21 @@ Extension's LoRA affinity filter acts on the same signal (vLLM's ``vllm:lora_req
 scores them, so every policy keeps its own choice among the replicas that can start the
 request.
 
-The gateway calls `can_start` per candidate and `prefer_free_slots` once per adapter
-request; no I/O.
+Among the replicas that can start it, `prefer_running_adapter` keeps the request where its
+adapter already runs, unless those replicas' queues are more than one engine step longer than
+the others': a request sent to a free slot takes it for as long as the adapter's requests
+run there, and the next adapter to need a slot on that replica waits. In the simulator
+(``sal-bench lora``: Azure chat and code windows, 32 Zipf-popular adapters, 8 replicas;
+docs/results/lora.md), that preference lowered SAL's p95 TTFT 1.75-6.9x against the free-slot
+filter alone where slots were scarce (chat, ``--max-loras 4``) and p99 6.1x at
+``--max-loras 8`` under full load, and tied elsewhere (code's p50 0.89-0.96x, within the
+spread). Always taking the replica that runs the adapter, whatever its queue, piled popular
+adapters onto few replicas in an exploratory run (p95 16-26x worse at ``--max-loras 8`` and
+full load). One step's token budget (``max_num_batched_tokens``) is the margin: a replica
+whose queue is that much longer delays the request's prefill by about one more step.
+
+`lora_route` combines both for one adapter request, as the gateway and the simulator call
+it; no I/O.
 """
 
 from __future__ import annotations
@@ -42,3 +55,52 @@ def prefer_free_slots(views: Sequence[BackendView], blocked: Collection[str]) ->
         dataclasses.replace(v, eligible=False) if v.eligible and v.url in blocked else v
         for v in views
     ]
+
+
+def prefer_running_adapter(
+    views: Sequence[BackendView], holders: Collection[str]
+) -> list[BackendView]:
+    """`views` narrowed to the eligible backends in `holders` (URLs whose batch holds the
+    request's adapter, or that were sent one of its requests since their last poll) whose
+    queued prefill is at most one step (their ``max_num_batched_tokens``) above the least
+    queued of the other eligible backends; unchanged when no holder qualifies or when every
+    eligible backend is a holder (nothing to prefer). Positions and URLs never change."""
+    eligible = [v for v in views if v.eligible]
+    others = [v.queued_prefill_tokens for v in eligible if v.url not in holders]
+    if not others:
+        return list(views)
+    floor = min(others)
+    keep = {
+        v.url
+        for v in eligible
+        if v.url in holders and v.queued_prefill_tokens <= floor + max(1, v.max_num_batched_tokens)
+    }
+    if not keep:
+        return list(views)
+    return [
+        dataclasses.replace(v, eligible=False) if v.eligible and v.url not in keep else v
+        for v in views
+    ]
+
+
+def lora_route(
+    views: Sequence[BackendView], blocked: Collection[str], holders: Collection[str]
+) -> tuple[list[BackendView], str | None]:
+    """The candidates for one adapter request: `prefer_free_slots` (`blocked`: URLs where it
+    would wait for a slot), then `prefer_running_adapter` (`holders`). Also what decided it
+    (None: neither changed anything): ``"affinity"`` (passed over replicas with a free slot
+    for one running the adapter), ``"steered"`` (passed over replicas whose slots other
+    adapters hold) or ``"no_free_slot"`` (every eligible replica's slots are held: the
+    request waits for one wherever it goes)."""
+    outcome = None
+    narrowed = list(views)
+    if any(v.eligible and v.url in blocked for v in views):
+        free = any(v.eligible and v.url not in blocked for v in views)
+        outcome = "steered" if free else "no_free_slot"
+        narrowed = prefer_free_slots(views, blocked)
+    if holders:
+        preferred = prefer_running_adapter(narrowed, holders)
+        if [v.eligible for v in preferred] != [v.eligible for v in narrowed]:
+            outcome = "affinity"
+        narrowed = preferred
+    return narrowed, outcome

@@ -146,6 +146,7 @@ class GatewayMetrics:
         self.lora_slot_decisions = Counter(
             "sal_lora_slot_decisions",
             "LoRA adapter requests whose route the replicas' LoRA slots (--max-loras) decided: "
+            "affinity (sent where the adapter already runs, past replicas with a free slot), "
             "steered (sent past replicas whose slots other adapters held) or no_free_slot "
             "(every candidate's slots were held: the request waits for one wherever it goes)",
             ["model", "outcome"],

@@ -58,7 +58,7 @@ import aiohttp
 from starlette.responses import Response
 
 from sal_core.beta import BetaEstimator
-from sal_core.lora_slots import prefer_free_slots
+from sal_core.lora_slots import lora_route
 from sal_core.policies import (
     PREFIX_AWARE_POLICIES,
     BackendView,
@@ -306,18 +306,17 @@ class Forwarder:
     def _by_lora_slots(
         self, model: str, adapter: str, views: list[BackendView]
     ) -> list[BackendView]:
-        """`views` narrowed to the backends that can start `adapter` now, when any can
-        (`sal_core.lora_slots.prefer_free_slots`); counts the decisions it changed and those
-        where every eligible backend's slots were full."""
+        """`views` narrowed for `adapter` (`sal_core.lora_slots.lora_route`): to the backends
+        that can start it now, when any can, and among those to the ones already running it
+        unless their queues are more than a step longer; counts what decided it."""
         blocked = self._table.lora_blocked(model, adapter)
-        if not blocked:
+        holders = self._table.lora_holders(model, adapter)
+        if not blocked and not holders:
             return views
-        if not any(v.eligible and v.url in blocked for v in views):
-            return views  # only backends the request could not go to anyway are full
-        free = any(v.eligible and v.url not in blocked for v in views)
-        outcome = "steered" if free else "no_free_slot"
-        self._metrics.lora_slot_decisions.labels(model=model, outcome=outcome).inc()
-        return prefer_free_slots(views, blocked)
+        narrowed, outcome = lora_route(views, blocked, holders)
+        if outcome is not None:
+            self._metrics.lora_slot_decisions.labels(model=model, outcome=outcome).inc()
+        return narrowed
 
     async def forward(
         self,

@@ -483,6 +483,16 @@ class StateTable:
                 blocked.add(backend.url)
         return blocked
 
+    def lora_holders(self, model: str, adapter: str) -> set[str]:
+        """URLs of `model`'s backends whose LoRA slots hold `adapter` now (its requests run
+        there, or were routed there since the last poll): a request for it starts there
+        without taking a slot another adapter may need."""
+        return {
+            backend.url
+            for backend in self._pools.get(model, {}).values()
+            if adapter in (backend.lora_occupied() or ())
+        }
+
     def degraded_views(self, model: str, now_s: float, max_age_s: float) -> list[BackendView]:
         """Views for *degraded routing*, used only when no backend of `model` is eligible
         (Envoy's "panic" mode, made liveness-aware): a backend is a candidate when it is not

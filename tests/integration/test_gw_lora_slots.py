@@ -48,6 +48,11 @@ def _slots(rig: Rig, running: list[tuple[str, ...]]) -> None:
 
 def _seen_by_gateway(rig: Rig, running: list[tuple[str, ...]]) -> bool:
     """Whether the gateway's last polls carry `running` and both replicas list the adapters."""
+    return _seen_by_gateway_slots(rig, running, 1)
+
+
+def _seen_by_gateway_slots(rig: Rig, running: list[tuple[str, ...]], max_loras: int) -> bool:
+    """`_seen_by_gateway`, with `max_loras` slots per replica."""
     catalog = rig.runtime.catalog
     for name in ("lora-a", "lora-b"):
         served = catalog.served(name)
@@ -56,7 +61,7 @@ def _seen_by_gateway(rig: Rig, running: list[tuple[str, ...]]) -> bool:
     backends = rig.runtime.table.backends(MODEL)
     stats = [b.stats for b in backends]
     return [s.lora_running if s else None for s in stats] == running and all(
-        s is not None and s.max_loras == 1 for s in stats
+        s is not None and s.max_loras == max_loras for s in stats
     )
 
 
@@ -123,3 +128,56 @@ def test_stock_vllm_slots_come_from_its_lora_requests_info(tiny_model_dir: Path)
         for _ in range(4):
             assert _ask(rig, "lora-b").status_code == 200
         assert _sent(rig, 1, "lora-b") == 4
+
+
+def _two_slots(rig: Rig, running: list[tuple[str, ...]], queued: list[int]) -> None:
+    """Every fake serves lora-a and lora-b with two LoRA slots; fake i runs `running[i]`
+    with `queued[i]` prompt tokens waiting."""
+    for fake, names, tokens in zip(rig.fakes, running, queued, strict=True):
+        fake.adapters = ("lora-a", "lora-b")
+        fake.stats = dataclasses.replace(
+            default_stats(), max_loras=2, lora_running=names, queued_prefill_tokens=tokens
+        )
+
+
+def _seen_queues(rig: Rig, queued: list[int]) -> bool:
+    stats = [b.stats for b in rig.runtime.table.backends(MODEL)]
+    return [s.queued_prefill_tokens if s else None for s in stats] == queued
+
+
+def test_an_adapter_stays_where_it_runs_and_leaves_free_slots_to_others(
+    tiny_model_dir: Path,
+) -> None:
+    """Round robin alone would alternate; the replica already running lora-a takes every
+    lora-a request, and b's free slots stay free for other adapters."""
+    with gateway_rig(
+        2,
+        tokenizer=tiny_model_dir,
+        routing={**RELAXED, "policy": "round_robin"},
+        extra=QUICK_MODELS,
+    ) as rig:
+        running = [("lora-a",), ()]
+        _two_slots(rig, running, [0, 0])
+        wait_until(lambda: _seen_by_gateway_slots(rig, running, 2))
+        for _ in range(6):
+            assert _ask(rig, "lora-a").status_code == 200
+        assert (_sent(rig, 0, "lora-a"), _sent(rig, 1, "lora-a")) == (6, 0)
+        assert _slot_decisions(rig, "affinity") == 6
+
+
+def test_an_adapter_takes_a_free_slot_when_its_replica_is_more_than_a_step_behind(
+    tiny_model_dir: Path,
+) -> None:
+    """The replica running lora-a has 50,000 prompt tokens queued (a step is 2,048): a free
+    slot on the idle replica is the shorter wait."""
+    with gateway_rig(
+        2, tokenizer=tiny_model_dir, routing={**RELAXED, "policy": "sal"}, extra=QUICK_MODELS
+    ) as rig:
+        running = [("lora-a",), ()]
+        _two_slots(rig, running, [50_000, 0])
+        wait_until(
+            lambda: _seen_by_gateway_slots(rig, running, 2) and _seen_queues(rig, [50_000, 0])
+        )
+        assert _ask(rig, "lora-a").status_code == 200
+        assert (_sent(rig, 0, "lora-a"), _sent(rig, 1, "lora-a")) == (0, 1)
+        assert _slot_decisions(rig, "affinity") == 0

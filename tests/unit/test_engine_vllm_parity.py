@@ -19,6 +19,8 @@ import pytest
 # them into collection errors.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.config import LoRAConfig
+    from vllm.lora.request import LoRARequest
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
 
@@ -41,14 +43,22 @@ def stats_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SAL_STATS_PREFIX", str(tmp_path / "stats"))
 
 
+ADAPTERS = ("chat", "sql", "code", "legal")
+
+
 def vllm_request(req: SimRequest, token: int) -> Request:
-    """`req` for vLLM, its prompt one token (from `token`) repeated."""
+    """`req` for vLLM, its prompt one token (from `token`) repeated; its adapter, if any, as
+    a `LoRARequest` (ids from 1, as vLLM numbers them)."""
+    lora = None
+    if req.adapter is not None:
+        lora = LoRARequest(req.adapter, ADAPTERS.index(req.adapter) + 1, f"/a/{req.adapter}")
     return make_request(
         req.request_id,
         req.prompt_tokens,
         req.arrival_s,
         max_tokens=req.output_tokens,
         prompt=[token % 1900 + 20] * req.prompt_tokens,
+        lora_request=lora,
     )
 
 
@@ -66,16 +76,22 @@ def workload(seed: int, n: int) -> list[tuple[int, SimRequest]]:
 
 
 CASES = [
-    # scheduler, usable blocks, budget, max_num_seqs, chunked, alpha
-    pytest.param("fcfs", 60, 256, 16, True, None, id="fcfs-tight-kv-chunked"),
-    pytest.param("fcfs", 400, 512, 4, True, None, id="fcfs-seq-limited"),
-    pytest.param("fcfs", 70, 1024, 32, False, None, id="fcfs-no-chunking"),
-    pytest.param("larry", 60, 256, 16, True, 1.0, id="larry-tight-kv"),
-    pytest.param("larry", 120, 512, 8, True, 50.0, id="larry-alpha-50"),
+    # scheduler, usable blocks, budget, max_num_seqs, chunked, alpha, max_loras
+    pytest.param("fcfs", 60, 256, 16, True, None, 0, id="fcfs-tight-kv-chunked"),
+    pytest.param("fcfs", 400, 512, 4, True, None, 0, id="fcfs-seq-limited"),
+    pytest.param("fcfs", 70, 1024, 32, False, None, 0, id="fcfs-no-chunking"),
+    pytest.param("larry", 60, 256, 16, True, 1.0, 0, id="larry-tight-kv"),
+    pytest.param("larry", 120, 512, 8, True, 50.0, 0, id="larry-alpha-50"),
+    # --enable-lora --max-loras 2, four adapters and the base model: vLLM skips a request
+    # whose adapter would be a third in the batch and considers the ones behind it.
+    pytest.param("fcfs", 400, 512, 16, True, None, 2, id="fcfs-lora-slots"),
+    pytest.param("larry", 120, 256, 16, True, 1.0, 2, id="larry-lora-slots"),
 ]
 
 
-@pytest.mark.parametrize(("scheduler", "blocks", "budget", "max_seqs", "chunked", "alpha"), CASES)
+@pytest.mark.parametrize(
+    ("scheduler", "blocks", "budget", "max_seqs", "chunked", "alpha", "max_loras"), CASES
+)
 def test_engine_model_schedules_like_vllm_step_by_step(
     tiny_model_dir: Path,
     scheduler: str,
@@ -84,6 +100,7 @@ def test_engine_model_schedules_like_vllm_step_by_step(
     max_seqs: int,
     chunked: bool,
     alpha: float | None,
+    max_loras: int,
 ) -> None:
     cls = LarryScheduler if scheduler == "larry" else Scheduler
     clock = Clock(now_s=0.0)
@@ -98,6 +115,8 @@ def test_engine_model_schedules_like_vllm_step_by_step(
         alpha=alpha,
         clock=clock,
     )
+    if max_loras:
+        real.lora_config = LoRAConfig(max_loras=max_loras)  # as --enable-lora sets it
     model = EngineModel(
         EngineConfig(
             num_kv_blocks=blocks,
@@ -107,10 +126,16 @@ def test_engine_model_schedules_like_vllm_step_by_step(
             enable_chunked_prefill=chunked,
             scheduler=scheduler,
             alpha=1.0 if alpha is None else alpha,
+            max_loras=max_loras,
         ),
         PROFILES["tiny-cpu"],
     )
     arrivals = workload(seed=blocks + budget, n=60)
+    if max_loras:
+        rng = random.Random(max_loras)
+        for _, req in arrivals:
+            req.adapter = rng.choice([*ADAPTERS, None])
+    skipped_for_a_slot = 0
     k = 0
     preemptions = 0
     for step in range(20_000):
@@ -144,7 +169,14 @@ def test_engine_model_schedules_like_vllm_step_by_step(
         assert sorted(r.request_id for r in result.finished) == real_finished, f"step {step}"
         assert model.free_blocks == real.kv_cache_manager.block_pool.get_num_free_blocks()
         preemptions += len(preempted)
+        if max_loras:
+            running = {r.adapter for r in live if r.num_computed_tokens and r.adapter}
+            assert len(running) <= max_loras, f"step {step}"
+            waits = [r for r in live if not r.num_computed_tokens and r.adapter not in running]
+            skipped_for_a_slot += bool(waits and len(running) == max_loras)
     assert k == len(arrivals)
     assert not model.has_work()
     if blocks <= 70:
         assert preemptions > 0, "the tight-KV cases must exercise preemption"
+    if max_loras:
+        assert skipped_for_a_slot > 0, "the LoRA cases must make requests wait for a slot"

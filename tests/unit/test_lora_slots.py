@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine_sim.fake_vllm import FakeBackend, default_stats
-from sal_core.lora_slots import can_start, prefer_free_slots
+from sal_core.lora_slots import can_start, lora_route, prefer_free_slots, prefer_running_adapter
 from sal_core.policies import BackendView
 from sal_gateway.state import StateTable
 from sal_gateway.vllm_metrics import parse_vllm_metrics
@@ -14,8 +14,8 @@ from sal_gateway.vllm_metrics import parse_vllm_metrics
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 
-def _view(url: str, eligible: bool = True) -> BackendView:
-    return BackendView(url, eligible, 0, 1000, 0, 2048)
+def _view(url: str, eligible: bool = True, queued: int = 0) -> BackendView:
+    return BackendView(url, eligible, 0, 1000, queued, 2048)
 
 
 def test_an_adapter_starts_where_it_runs_or_a_slot_is_free() -> None:
@@ -35,6 +35,39 @@ def test_full_replicas_are_passed_over_only_while_another_can_start_it() -> None
     # goes somewhere, to wait for a slot there.
     assert prefer_free_slots(views, {A, B}) == views
     assert prefer_free_slots(views, set()) == views
+
+
+def test_the_replica_running_the_adapter_is_preferred_while_its_queue_is_within_a_step() -> None:
+    # A runs x; B and C have free slots. A's queue is one step (2,048 tokens) above B's.
+    views = [_view(A, queued=2048), _view(B, queued=0), _view(C, queued=500)]
+    assert [v.eligible for v in prefer_running_adapter(views, {A})] == [True, False, False]
+    # A step and one token more: taking a free slot elsewhere is the lesser wait.
+    views[0] = _view(A, queued=2049)
+    assert prefer_running_adapter(views, {A}) == views
+    # Of two holders, only the one within a step of the best other replica is kept.
+    views = [_view(A, queued=9000), _view(B, queued=1000), _view(C, queued=0)]
+    assert [v.eligible for v in prefer_running_adapter(views, {A, B})] == [False, True, False]
+    # Every candidate holds it, or none does: nothing to prefer.
+    assert prefer_running_adapter(views, {A, B, C}) == views
+    assert prefer_running_adapter(views, set()) == views
+    # An ineligible holder is never brought back.
+    views = [_view(A, eligible=False), _view(B)]
+    assert prefer_running_adapter(views, {A}) == views
+
+
+def test_lora_route_says_what_decided_the_candidates() -> None:
+    views = [_view(A), _view(B), _view(C)]
+    # A's slots are held by other adapters; B runs the adapter; C has a free slot.
+    narrowed, outcome = lora_route(views, blocked={A}, holders={B})
+    assert ([v.eligible for v in narrowed], outcome) == ([False, True, False], "affinity")
+    narrowed, outcome = lora_route(views, blocked={A}, holders=set())
+    assert ([v.eligible for v in narrowed], outcome) == ([False, True, True], "steered")
+    # B, the holder, is the only replica left after the slot filter: that is all "steered".
+    narrowed, outcome = lora_route(views[:2], blocked={A}, holders={B})
+    assert ([v.eligible for v in narrowed], outcome) == ([False, True], "steered")
+    narrowed, outcome = lora_route(views, blocked={A, B, C}, holders=set())
+    assert (narrowed, outcome) == (views, "no_free_slot")
+    assert lora_route(views, blocked=set(), holders=set()) == (views, None)
 
 
 def _table() -> StateTable:
@@ -74,6 +107,16 @@ def test_a_request_the_engine_has_seen_but_not_started_holds_no_slot() -> None:
     _poll(table, A, 0.5, ("x",))  # waiting in A's engine: x still holds A's only slot
     assert table.lora_blocked("m", "y") == {A}
     assert table.lora_blocked("m", "x") == set()
+
+
+def test_holders_are_the_replicas_running_the_adapter_or_just_sent_it() -> None:
+    table = _table()
+    _poll(table, A, 0.0, ("x",))
+    _poll(table, B, 0.0, ())
+    assert table.lora_holders("m", "x") == {A}
+    assert table.lora_holders("m", "y") == set()
+    table.route("m", B, 100, sent_s=0.1, adapter="y")
+    assert table.lora_holders("m", "y") == {B}
 
 
 def test_replicas_without_lora_slots_known_never_block() -> None:
