@@ -13,7 +13,8 @@ loading adapters at run time. Behind one gateway (SAL, the tiny model's tokenize
   served by the other: the client never sees the unloading replica's 404;
 * with vLLM's filesystem LoRA resolver, an adapter no replica has loaded is loaded by the
   replica the first request goes to, and a name no replica can load is one replica's 404;
-* an adapter request goes to the replica whose ``--max-loras`` slot is free.
+* an adapter request goes to the replica whose ``--max-loras`` slot is free, and one whose
+  adapter already runs on a replica joins it there rather than take a free slot elsewhere.
 """
 
 from __future__ import annotations
@@ -309,6 +310,66 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
     assert steered_after == steered_before + 1, seen
     assert e_end < d_end, (e_end, d_end)
     assert lora_running(holder) == []  # all done
+
+
+def test_an_adapter_joins_the_replica_already_running_it(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    # lora-f runs on one replica (eight long choices); the other is idle, its one LoRA slot
+    # free. SAL alone would send the next lora-f request to the idle replica (fewer in
+    # flight), taking that slot from whatever adapter comes next; the gateway keeps it where
+    # lora-f already runs (its queue is within a step), where it starts at once.
+    url, replicas, adapters = fleet
+    load = {"lora_name": "lora-f", "lora_path": str(adapters / "lora-b")}
+    for replica in replicas:
+        loaded = httpx.post(f"{replica}/v1/load_lora_adapter", json=load, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+
+    def on_both() -> bool:
+        cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        return {c["id"]: c.get("sal_replicas") for c in cards}.get("lora-f") == 2
+
+    _completed_at(url, "lora-f", 1)
+    deadline = time.monotonic() + 40  # the periodic read (models_refresh_s 15 s) finds both
+    while not on_both():
+        assert time.monotonic() < deadline, "the gateway never saw lora-f on both replicas"
+        time.sleep(0.5)
+
+    def counters() -> tuple[float, list[float]]:
+        samples = scrape_metrics(url)
+        kept = metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome="affinity")
+        routed = [
+            metric(samples, "sal_routing_decisions_total", model=MODEL, backend=r) for r in replicas
+        ]
+        return kept, routed
+
+    def lora_running(replica: str) -> list[str]:
+        return list(httpx.get(f"{replica}/stats", timeout=5).json()["lora_running"])
+
+    seen: list[str] = []
+    for _ in range(3):
+        with ThreadPoolExecutor(1) as pool:
+            f = pool.submit(_completed_at, url, "lora-f", MAX_MODEL_LEN - 64, 8)
+            deadline = time.monotonic() + 30
+            holder = None
+            while holder is None:
+                assert time.monotonic() < deadline, "no replica's /stats showed lora-f running"
+                assert not f.done(), "lora-f finished before any /stats showed it running"
+                holder = next((r for r in replicas if lora_running(r) == ["lora-f"]), None)
+            time.sleep(0.3)  # a poll or two: the gateway sees it too
+            kept_before, routed_before = counters()
+            held = lora_running(holder) == ["lora-f"]
+            _completed_at(url, "lora-f", 1)
+            kept_after, routed_after = counters()
+            f.result(timeout=120)
+        went_to = [b - a for a, b in zip(routed_before, routed_after, strict=True)]
+        seen.append(f"holder {holder} held {held}: routed {went_to}")
+        if held:
+            break
+    assert held, f"lora-f's engine run always ended before the next request: {seen}"
+    assert holder is not None
+    assert went_to[replicas.index(holder)] == 1, seen
+    assert kept_after == kept_before + 1, seen
 
 
 def test_an_adapter_the_replicas_resolve_on_first_use_is_served(
