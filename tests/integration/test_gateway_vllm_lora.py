@@ -173,9 +173,11 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
 
     # Replica 2 answers vLLM's 404 now; the gateway moves those requests to replica 1. Sent
     # at once, so that SAL spreads them over both (one at a time, an idle fleet's ties all
-    # go to replica 1).
+    # go to replica 1), with prompts of about 1,300 tokens: the gateway keeps an adapter's
+    # requests where it runs only while that replica's queue is within a step (2,048
+    # tokens) of the other's.
     def ask(i: int) -> httpx.Response:
-        one = {**body, "prompt": f"after unload {i} " * 20, "max_tokens": 16}
+        one = {**body, "prompt": f"after unload {i} " * 100, "max_tokens": 16}
         return httpx.post(f"{url}/v1/completions", json=one, timeout=120)
 
     def retried_from_replica_2() -> float:
@@ -238,15 +240,11 @@ def _completed_at(url: str, model: str, max_tokens: int, n: int = 1) -> float:
     return time.perf_counter()
 
 
-def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
-    fleet: tuple[str, list[str], Path],
-) -> None:
-    # Both replicas run vLLM's default --max-loras 1. While lora-d runs on one replica (its
-    # only LoRA slot is lora-d's) and a base-model request on the other (in flight: one
-    # each, so SAL's own scores tie), a lora-e request must go to the replica with the free
-    # slot: on the other it would wait until lora-d's engine run ends.
-    url, replicas, adapters = fleet
-    for name in ("lora-d", "lora-e"):
+def _load_on_both(url: str, replicas: list[str], adapters: Path, names: tuple[str, ...]) -> None:
+    """Load each of `names` (lora-b's weights) on every replica at run time, then wait until
+    the gateway lists each on both (its periodic read, ``models_refresh_s`` 15 s, finds
+    them)."""
+    for name in names:
         load = {"lora_name": name, "lora_path": str(adapters / "lora-b")}
         for replica in replicas:
             loaded = httpx.post(f"{replica}/v1/load_lora_adapter", json=load, timeout=60)
@@ -255,26 +253,43 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
     def on_both() -> bool:
         cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         replicas_of = {c["id"]: c.get("sal_replicas") for c in cards}
-        return replicas_of.get("lora-d") == replicas_of.get("lora-e") == 2
+        return all(replicas_of.get(name) == 2 for name in names)
 
-    _completed_at(url, "lora-d", 1)
-    deadline = time.monotonic() + 40  # the periodic read (models_refresh_s 15 s) finds both
+    _completed_at(url, names[0], 1)
+    deadline = time.monotonic() + 40
     while not on_both():
-        assert time.monotonic() < deadline, "the gateway never saw lora-d/e on both replicas"
+        assert time.monotonic() < deadline, f"the gateway never saw {names} on both replicas"
         time.sleep(0.5)
 
-    def counters() -> tuple[float, list[float]]:
-        samples = scrape_metrics(url)
-        steered = metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome="steered")
-        routed = [
-            metric(samples, "sal_routing_decisions_total", model=MODEL, backend=r) for r in replicas
-        ]
-        return steered, routed
 
-    def lora_running(replica: str) -> list[str]:
-        stats = httpx.get(f"{replica}/stats", timeout=5).json()
-        assert stats["max_loras"] == 1
-        return list(stats["lora_running"])
+def _slot_counters(url: str, replicas: list[str], outcome: str) -> tuple[float, list[float]]:
+    """The gateway's LoRA slot decisions of `outcome`, and its routing decisions per replica."""
+    samples = scrape_metrics(url)
+    decided = metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome=outcome)
+    routed = [
+        metric(samples, "sal_routing_decisions_total", model=MODEL, backend=r) for r in replicas
+    ]
+    return decided, routed
+
+
+def _lora_running(replica: str) -> list[str]:
+    stats = httpx.get(f"{replica}/stats", timeout=5).json()
+    assert stats["max_loras"] == 1
+    return list(stats["lora_running"])
+
+
+def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
+    fleet: tuple[str, list[str], Path],
+) -> None:
+    # Both replicas run vLLM's default --max-loras 1. While lora-d runs on one replica (its
+    # only LoRA slot is lora-d's) and a base-model request on the other (in flight: one
+    # each, so SAL's own scores tie), a lora-e request must go to the replica with the free
+    # slot: on the other it would wait until lora-d's engine run ends.
+    url, replicas, adapters = fleet
+    _load_on_both(url, replicas, adapters, ("lora-d", "lora-e"))
+
+    def counters() -> tuple[float, list[float]]:
+        return _slot_counters(url, replicas, "steered")
 
     long_tokens = MAX_MODEL_LEN - 64
     seen: list[str] = []
@@ -287,11 +302,11 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
             while holder is None:
                 assert time.monotonic() < deadline, "no replica's /stats showed lora-d running"
                 assert not d.done(), "lora-d finished before any /stats showed it running"
-                holder = next((r for r in replicas if lora_running(r) == ["lora-d"]), None)
+                holder = next((r for r in replicas if _lora_running(r) == ["lora-d"]), None)
             base = pool.submit(_completed_at, url, MODEL, long_tokens, 8)
             time.sleep(0.3)  # the base request is routed (SAL: the replica with fewer in flight)
             steered_before, routed_before = counters()
-            held = lora_running(holder) == ["lora-d"]  # still, as lora-e is sent
+            held = _lora_running(holder) == ["lora-d"]  # still, as lora-e is sent
             e_end = _completed_at(url, "lora-e", 1)
             steered_after, routed_after = counters()
             d_end = d.result(timeout=120)
@@ -309,7 +324,7 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
     assert e_went_to[replicas.index(holder)] == 0, seen
     assert steered_after == steered_before + 1, seen
     assert e_end < d_end, (e_end, d_end)
-    assert lora_running(holder) == []  # all done
+    assert _lora_running(holder) == []  # all done
 
 
 def test_an_adapter_joins_the_replica_already_running_it(
@@ -320,31 +335,10 @@ def test_an_adapter_joins_the_replica_already_running_it(
     # flight), taking that slot from whatever adapter comes next; the gateway keeps it where
     # lora-f already runs (its queue is within a step), where it starts at once.
     url, replicas, adapters = fleet
-    load = {"lora_name": "lora-f", "lora_path": str(adapters / "lora-b")}
-    for replica in replicas:
-        loaded = httpx.post(f"{replica}/v1/load_lora_adapter", json=load, timeout=60)
-        assert loaded.status_code == 200, loaded.text
-
-    def on_both() -> bool:
-        cards = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
-        return {c["id"]: c.get("sal_replicas") for c in cards}.get("lora-f") == 2
-
-    _completed_at(url, "lora-f", 1)
-    deadline = time.monotonic() + 40  # the periodic read (models_refresh_s 15 s) finds both
-    while not on_both():
-        assert time.monotonic() < deadline, "the gateway never saw lora-f on both replicas"
-        time.sleep(0.5)
+    _load_on_both(url, replicas, adapters, ("lora-f",))
 
     def counters() -> tuple[float, list[float]]:
-        samples = scrape_metrics(url)
-        kept = metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome="affinity")
-        routed = [
-            metric(samples, "sal_routing_decisions_total", model=MODEL, backend=r) for r in replicas
-        ]
-        return kept, routed
-
-    def lora_running(replica: str) -> list[str]:
-        return list(httpx.get(f"{replica}/stats", timeout=5).json()["lora_running"])
+        return _slot_counters(url, replicas, "affinity")
 
     seen: list[str] = []
     for _ in range(3):
@@ -355,10 +349,10 @@ def test_an_adapter_joins_the_replica_already_running_it(
             while holder is None:
                 assert time.monotonic() < deadline, "no replica's /stats showed lora-f running"
                 assert not f.done(), "lora-f finished before any /stats showed it running"
-                holder = next((r for r in replicas if lora_running(r) == ["lora-f"]), None)
+                holder = next((r for r in replicas if _lora_running(r) == ["lora-f"]), None)
             time.sleep(0.3)  # a poll or two: the gateway sees it too
             kept_before, routed_before = counters()
-            held = lora_running(holder) == ["lora-f"]
+            held = _lora_running(holder) == ["lora-f"]
             _completed_at(url, "lora-f", 1)
             kept_after, routed_after = counters()
             f.result(timeout=120)
