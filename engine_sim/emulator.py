@@ -9,6 +9,8 @@ Each replica is one FastAPI app (built by `create_app`) serving
   directory when given, else the documented ``ceil(utf8_bytes / 4)`` estimate; token-ID
   prompts count exactly);
 * ``GET /v1/models``, ``GET /health``;
+* LoRA adapters (``--lora-modules``, ``--max-loras``): listed with their ``parent``, accepted
+  as ``model`` and run in the engine model's LoRA slots, as vLLM's scheduler does;
 * ``GET /stats`` — the ``sal-stats/1`` contract from `EngineModel.stats`;
 * ``GET /metrics`` — the stock-vLLM subset the gateway's fallback reads, with vLLM's
   prefix-cache counters (``vllm:prefix_cache_queries_total``, ``..._hits_total``).
@@ -78,6 +80,13 @@ class EmulatorConfig:
     """Context limit; None: the tokenizer dir's, else the KV capacity in tokens."""
     default_max_tokens: int = 16
     """Output length when a request has no ``max_tokens`` (OpenAI's completions default)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served besides the model (vLLM's ``--enable-lora --lora-modules``): listed
+    by ``/v1/models`` with ``parent``, accepted as ``model``, run in the engine's LoRA slots;
+    their prompts' cached blocks are their own (vLLM keys them by adapter)."""
+    max_loras: int = 1
+    """Adapters one step's batch may hold when `lora_modules` are served (``--max-loras``,
+    vLLM's default 1); reported in ``/stats`` (``max_loras``, ``lora_running``)."""
 
     def engine_config(self) -> EngineConfig:
         blocks = self.num_kv_blocks
@@ -95,6 +104,7 @@ class EmulatorConfig:
             alpha=self.alpha,
             trail_c=self.trail_c,
             model_name=self.model_name,
+            max_loras=self.max_loras if self.lora_modules else 0,
         )
 
 
@@ -119,6 +129,7 @@ def create_app(config: EmulatorConfig) -> FastAPI:
             counter=counter,
             max_model_len=counter.max_model_len or capacity,
             default_max_tokens=config.default_max_tokens,
+            adapters=config.lora_modules,
         )
         try:
             yield
@@ -134,19 +145,19 @@ def create_app(config: EmulatorConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         replica: ReplicaState = request.app.state.replica
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.model_name,
-                    "object": "model",
-                    "created": replica.created,
-                    "owned_by": "engine_sim",
-                    "root": config.model_name,
-                    "max_model_len": replica.max_model_len,
-                }
-            ],
+        base = {
+            "id": config.model_name,
+            "object": "model",
+            "created": replica.created,
+            "owned_by": "engine_sim",
+            "root": config.model_name,
+            "max_model_len": replica.max_model_len,
         }
+        adapters = [
+            {**base, "id": name, "root": f"/adapters/{name}", "parent": config.model_name}
+            for name in config.lora_modules
+        ]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
@@ -291,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (exact counts)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=defaults.default_max_tokens)
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="LoRA adapters served besides the model (their slots: --max-loras)",
+    )
+    parser.add_argument(
+        "--max-loras", type=int, default=defaults.max_loras, help="adapters per batch (1)"
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -298,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     names = {f.name for f in fields(EmulatorConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    values["lora_modules"] = tuple(args.lora_modules)
     return EmulatorConfig(model_name=args.model, **values)
 
 

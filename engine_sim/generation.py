@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine_sim import openai_bodies as bodies
 from engine_sim.prompt_blocks import prompt_block_keys
 from engine_sim.replica import ReplicaRuntime, TokenEvent
+from sal_core.prefix import adapter_keys
 from sal_gateway.errors import BadRequest, GatewayError, ModelNotFound, error_body
 from sal_gateway.request_body import Endpoint, parse_body
 from sal_gateway.tokenizer import PromptCounter, check_length
@@ -39,6 +40,8 @@ class ReplicaState:
     max_model_len: int
     default_max_tokens: int
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters served besides `model_name` (``--lora-modules``)."""
 
 
 def metrics_text(runtime: ReplicaRuntime, model_name: str) -> str:
@@ -99,6 +102,10 @@ class _Generation:
     max_tokens: int
     block_keys: tuple[list[int], ...] = ()
     """Per prompt, its full blocks' keys (empty without prefix caching)."""
+    model: str = ""
+    """The name the request asked for (the model's, or an adapter's): echoed in answers."""
+    adapter: str | None = None
+    """Its LoRA adapter (None: the base model)."""
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -107,8 +114,9 @@ def _error(exc: GatewayError) -> JSONResponse:
 
 def _validate(replica: ReplicaState, raw: bytes, endpoint: Endpoint) -> _Generation:
     inbound = parse_body(raw, endpoint)
-    if inbound.model != replica.model_name:
+    if inbound.model != replica.model_name and inbound.model not in replica.adapters:
         raise ModelNotFound(f"The model `{inbound.model}` does not exist.", param="model")
+    adapter = None if inbound.model == replica.model_name else inbound.model
     n = inbound.body.get("n", 1)
     if n not in (1, None):
         raise BadRequest("the emulator supports only n=1", param="n")
@@ -129,6 +137,8 @@ def _validate(replica: ReplicaState, raw: bytes, endpoint: Endpoint) -> _Generat
         keys = tuple(
             prompt_block_keys(inbound, replica.counter.hf_tokenizer, engine.config.block_size)
         )
+        if adapter is not None:  # vLLM puts the adapter in every block's hash
+            keys = tuple(list(adapter_keys(k, adapter)) for k in keys)
     return _Generation(
         response_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         chat=chat,
@@ -137,6 +147,8 @@ def _validate(replica: ReplicaState, raw: bytes, endpoint: Endpoint) -> _Generat
         prompt_counts=tuple(max(1, c) for c in count.per_prompt),
         max_tokens=max_tokens,
         block_keys=keys,
+        model=inbound.model,
+        adapter=adapter,
     )
 
 
@@ -157,7 +169,9 @@ async def generate(request: Request, endpoint: Endpoint, replica: ReplicaState) 
         for index, prompt_tokens in enumerate(gen.prompt_counts):
             keys = gen.block_keys[index] if gen.block_keys else ()
             request_ids.append(
-                replica.runtime.submit(prompt_tokens, gen.max_tokens, queue, index, keys)
+                replica.runtime.submit(
+                    prompt_tokens, gen.max_tokens, queue, index, keys, adapter=gen.adapter
+                )
             )
     except ValueError as exc:
         _abort_all(replica, request_ids)
@@ -211,7 +225,7 @@ async def _complete(
     body = bodies.completion_body(
         gen.response_id,
         replica.created,
-        replica.model_name,
+        gen.model,
         collect.result(),
         sum(gen.prompt_counts),
         chat=gen.chat,
@@ -226,7 +240,7 @@ async def _stream(
     request_ids: list[str],
 ) -> AsyncIterator[bytes]:
     """SSE: one chunk per engine step per choice; aborts the engine side when closed early."""
-    model = replica.model_name
+    model = gen.model
     outputs = [0] * len(request_ids)
     remaining = len(request_ids)
     try:

@@ -98,10 +98,12 @@ class ReplicaRuntime:
         queue: asyncio.Queue[TokenEvent],
         index: int,
         block_keys: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> str:
         """Queue one generation in the engine; its tokens go to `queue` tagged `index`.
         `block_keys`: its prompt's full blocks (`engine_sim.prompt_blocks`), for the prefix
-        cache; keys past the counted prompt are dropped.
+        cache; keys past the counted prompt are dropped. `adapter`: its LoRA adapter (the
+        engine's ``max_loras`` slots apply).
 
         Returns the engine request id (for `abort`). `ValueError` if the engine can never
         hold it.
@@ -109,7 +111,14 @@ class ReplicaRuntime:
         request_id = f"req-{next(self._ids)}"
         keys = list(block_keys[: prompt_tokens // self.engine.config.block_size])
         self.engine.add_request(
-            SimRequest(request_id, self.now_s(), prompt_tokens, output_tokens, block_keys=keys)
+            SimRequest(
+                request_id,
+                self.now_s(),
+                prompt_tokens,
+                output_tokens,
+                block_keys=keys,
+                adapter=adapter,
+            )
         )
         self._sinks[request_id] = _Sink(queue, index)
         self.counters.prompt_tokens += prompt_tokens

@@ -294,7 +294,7 @@ note "gateway image: healthy by its own HEALTHCHECK, runs as uid $gateway_uid ($
 smoke ready "$gateway_url" "$replicas"
 
 stage "openai SDK traffic"
-smoke traffic "$gateway_url" "$model" --requests 64 --concurrency 8
+smoke traffic "$gateway_url" "$model" --requests 64 --concurrency 8 --adapter demo-lora --adapter demo-lora-b
 
 stage "prometheus targets + queries"
 smoke prometheus "$prometheus_url" "$gateway_url" "$replicas"

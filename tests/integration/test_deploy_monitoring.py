@@ -246,8 +246,9 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     ]
     emulator_port = _free_port()
     emulator_url = f"http://127.0.0.1:{emulator_port}"
-    # The fake replica also serves two LoRA adapters, with one slot, held by other-lora.
-    static = FakeBackend(name="static", model=model, adapters=("demo-lora", "other-lora"))
+    # The fake replica also serves two LoRA adapters of its own (the emulator serves others),
+    # with one slot, held by other-lora.
+    static = FakeBackend(name="static", model=model, adapters=("static-lora", "other-lora"))
     static.stats = dataclasses.replace(static.stats, max_loras=1, lora_running=("other-lora",))
     static_server = ServedBackend(static)
     with contextlib.ExitStack() as stack:
@@ -280,8 +281,8 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 
             _wait(both_eligible, "/ready with both backends", gateway, log)
             _drive_traffic(client, model)
-            # demo-lora: only the fake replica lists it, and its one slot is other-lora's.
-            lora = {"model": "demo-lora", "prompt": "hello adapter", "max_tokens": 4}
+            # static-lora: only the fake replica lists it, and its one slot is other-lora's.
+            lora = {"model": "static-lora", "prompt": "hello adapter", "max_tokens": 4}
             for _ in range(2):
                 assert client.post("/v1/completions", json=lora).status_code == 200
             # The fake replica cuts streams after the first chunk: a stream error once the
@@ -388,5 +389,5 @@ def test_faults_show_up_where_the_dashboard_looks(live_metrics: dict[str, Any]) 
         r'sal_lora_slot_decisions_total\{model="tiny",outcome="no_free_slot"\} 2', text
     )
     assert re.search(
-        r'sal_adapter_requests_total\{adapter="demo-lora",model="tiny",status="200"\} 2', text
+        r'sal_adapter_requests_total\{adapter="static-lora",model="tiny",status="200"\} 2', text
     )

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from engine_sim.emulator import build_parser, config_from_args, run_emulators
+from engine_sim.emulator import EmulatorConfig, build_parser, config_from_args, run_emulators
 from sal_core.stats import parse_stats
 from sal_gateway.request_body import Endpoint, parse_body
 from sal_gateway.tokenizer import load_model_tokenizer
@@ -224,7 +224,7 @@ def test_command_line_flags_map_onto_the_config() -> None:
             "--replicas", "4", "--base-port", "21500", "--profile", "llama3-70b-fp8-h100x2",
             "--scheduler", "trail_plus", "--trail-c", "0", "--time-scale", "0.1",
             "--model", "llama", "--no-scheduler-reserve-full-isl", "--num-kv-blocks", "500",
-            "--no-enable-prefix-caching",
+            "--no-enable-prefix-caching", "--lora-modules", "sql", "chat", "--max-loras", "2",
         ]
     )  # fmt: skip
     config = config_from_args(args)
@@ -237,4 +237,45 @@ def test_command_line_flags_map_onto_the_config() -> None:
     assert engine.num_kv_blocks == 500
     assert engine.reserve_full_prompt is False
     assert engine.enable_prefix_caching is False
+    assert config.lora_modules == ("sql", "chat")
+    assert engine.max_loras == 2
+    assert config_from_args(build_parser().parse_args([])).engine_config().max_loras == 0
     assert config.time_scale == 0.1
+
+
+async def test_lora_adapters_are_listed_served_and_wait_for_a_slot() -> None:
+    """Two adapters and one slot: the second adapter's request waits until the first
+    adapter's request ends, as vLLM's scheduler makes it; /stats names the slot's holder,
+    and an adapter's prompt does not hit the base model's cached blocks."""
+    config = EmulatorConfig(lora_modules=("sql", "chat"), max_loras=1, time_scale=1.0)
+    prompt = list(range(100, 300))  # 200 tokens: 12 full blocks
+    async with (
+        run_emulators(1, config=config) as (url,),
+        client_for(url) as client,
+        httpx.AsyncClient() as http,
+    ):
+        cards = (await http.get(f"{url}/v1/models")).json()["data"]
+        assert [(c["id"], c.get("parent")) for c in cards] == [
+            ("tiny", None), ("sql", "tiny"), ("chat", "tiny")
+        ]  # fmt: skip
+        long_sql = asyncio.ensure_future(
+            client.completions.create(model="sql", prompt=[1, 2, 3], max_tokens=400)
+        )
+        deadline = time.monotonic() + DEADLINE_S
+        while (await http.get(f"{url}/stats")).json()["lora_running"] != ["sql"]:
+            assert time.monotonic() < deadline, "sql never ran"
+            await asyncio.sleep(0.005)
+        chat = await client.completions.create(model="chat", prompt=[4, 5, 6], max_tokens=1)
+        assert long_sql.done()  # chat's request started only once sql's had ended
+        assert chat.model == "chat"
+        stats = (await http.get(f"{url}/stats")).json()
+        assert (stats["max_loras"], stats["lora_running"]) == (1, [])
+        await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        before = _counter((await http.get(f"{url}/metrics")).text, "vllm:prefix_cache_hits")
+        await client.completions.create(model="sql", prompt=prompt, max_tokens=1)
+        after = _counter((await http.get(f"{url}/metrics")).text, "vllm:prefix_cache_hits")
+        assert after == before  # the adapter's blocks are its own
+        missing = await http.post(
+            f"{url}/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1}
+        )
+        assert missing.status_code == 404
