@@ -250,7 +250,11 @@ async def relay_stream(
         except (aiohttp.ClientError, TimeoutError) as exc:
             # The watch closed the connection: whatever the read raised, it was the idle bound.
             failure = aiohttp.SocketTimeoutError("stream idle") if watch.fired else exc
-            if not ex.client_gone:
+            if delivered:
+                # The backend's body broke or went silent after ``[DONE]`` (its chunked
+                # terminator never came): the client has its whole answer; end it cleanly.
+                broken = True  # never reuse that connection
+            elif not ex.client_gone:
                 broken = True
                 resp.close()  # before anything else: vLLM aborts the request now
                 err = settler.stream_failed(ex, failure)

@@ -87,3 +87,28 @@ def test_a_client_leaving_before_done_is_still_a_cancellation() -> None:
         text = rig.metrics()
         assert metric(text, "sal_requests_total", status="499") == 1.0
         assert metric(text, "sal_upstream_cancels_total", reason="client_disconnect") == 1.0
+
+
+def test_a_backend_that_never_ends_its_body_after_done_gives_no_error_event() -> None:
+    """The backend sent ``data: [DONE]`` and then nothing, not even the chunked terminator
+    (a hung API server): the client has its whole answer. When the idle bound closes that
+    connection, the gateway ends the client's body cleanly: no error event after
+    ``[DONE]``, a 200 with its usage, no stream error counted."""
+    proxy = {"stream_idle_timeout_s": 1.0, "stream_idle_spares_live_engines": False}
+    with gateway_rig(1, proxy=proxy) as rig:
+        fake = rig.fakes[0]
+        fake.behaviour.end_delay_s = 30.0
+        body = (
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], '
+            f'"max_tokens": {OUTPUT_TOKENS}, "stream": true}}'
+        ).encode()
+        # Read everything until the gateway ends the body (its chunked terminator).
+        seen = _read_until(_chat_stream(rig.url, body), lambda b: b.endswith(b"0\r\n\r\n"))
+        assert seen.count(b"data: [DONE]") == 1
+        assert b'"error"' not in seen
+        assert seen.rstrip(b"\r\n0").endswith(b"data: [DONE]")
+        wait_until(lambda: metric(rig.metrics(), "sal_backend_in_flight") == 0.0)
+        text = rig.metrics()
+        assert metric(text, "sal_requests_total", status="200") == 1.0
+        assert metric(text, "sal_stream_errors_total") is None
+        assert metric(text, "sal_output_tokens_total", model=MODEL) == OUTPUT_TOKENS
