@@ -206,6 +206,18 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "sal_backend_in_flight", "Gateway requests in flight", _MB, registry=r
         )
+        self.lora_slots = Gauge(
+            "sal_backend_lora_slots",
+            "LoRA adapters one batch may hold (--max-loras; only replicas that report it)",
+            _MB,
+            registry=r,
+        )
+        self.lora_slots_used = Gauge(
+            "sal_backend_lora_slots_used",
+            "LoRA slots held: adapters running at the last poll plus those routed since",
+            _MB,
+            registry=r,
+        )
         self.state_age = Gauge(
             "sal_backend_state_age_seconds",
             "Age of the last good poll (+Inf: never)",
@@ -402,6 +414,8 @@ class GatewayMetrics:
             self.waiting,
             self.running,
             self.in_flight,
+            self.lora_slots,
+            self.lora_slots_used,
             self.state_age,
             self.stats_source,
             self.progress_age,
@@ -419,6 +433,10 @@ class GatewayMetrics:
                 self.waiting.labels(**labels).set(b.stats.num_waiting if b.stats else 0)
                 self.running.labels(**labels).set(b.stats.num_running if b.stats else 0)
                 self.in_flight.labels(**labels).set(b.in_flight)
+                occupied = b.lora_occupied()
+                if occupied is not None and b.stats is not None:
+                    self.lora_slots.labels(**labels).set(b.stats.max_loras)
+                    self.lora_slots_used.labels(**labels).set(len(occupied))
                 age = b.age_s(now_s)
                 self.state_age.labels(**labels).set(float("inf") if age is None else age)
                 progress = b.progress_age_s(now_s)

@@ -128,6 +128,7 @@ def test_dashboard_covers_what_operators_watch(dashboard: dict[str, Any]) -> Non
         "sal_adapter_requests_total",  # per LoRA adapter
         "sal_adapter_ttft_seconds_bucket",
         "sal_lora_slot_decisions_total",
+        "sal_backend_lora_slots_used",
     } <= used
     queries = " ".join(expr for _, expr in _dashboard_queries(dashboard))
     for quantile in ("0.5", "0.95", "0.99"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine_sim.fake_vllm import default_stats
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.state import StateTable
@@ -76,3 +78,19 @@ def test_progress_age_is_exported_per_backend() -> None:
     text = metrics.exposition().decode()
     assert 'sal_backend_progress_age_seconds{backend="http://a:1",model="m"} 0.25' in text
     assert 'sal_backend_progress_age_seconds{backend="http://b:1",model="m"} +Inf' in text
+
+
+def test_lora_slots_are_exported_for_replicas_that_report_them() -> None:
+    metrics = GatewayMetrics("test")
+    table = StateTable(stale_after_s=1.0, eject_after_failures=3)
+    for url in ("http://a:1", "http://b:1"):
+        table.add_backend("m", url)
+    lora = dataclasses.replace(default_stats(), max_loras=4, lora_running=("x",))
+    table.record_poll_success("m", "http://a:1", lora, "stats", now_s=10.0)
+    table.record_poll_success("m", "http://b:1", default_stats(), "stats", now_s=10.0)
+    table.route("m", "http://a:1", 100, sent_s=10.1, adapter="y")  # takes a second slot
+    metrics.refresh(table, 10.2, {})
+    text = metrics.exposition().decode()
+    assert 'sal_backend_lora_slots{backend="http://a:1",model="m"} 4.0' in text
+    assert 'sal_backend_lora_slots_used{backend="http://a:1",model="m"} 2.0' in text
+    assert 'sal_backend_lora_slots{backend="http://b:1"' not in text  # LoRA off there
