@@ -17,11 +17,12 @@ run there, and the next adapter to need a slot on that replica waits. In the sim
 (``sal-bench lora``: Azure chat and code windows, 32 Zipf-popular adapters, 8 replicas;
 docs/results/lora.md), that preference lowered SAL's p95 TTFT 1.75-6.9x against the free-slot
 filter alone where slots were scarce (chat, ``--max-loras 4``) and p99 6.1x at
-``--max-loras 8`` under full load, and tied elsewhere (code's p50 0.89-0.96x, within the
-spread). Always taking the replica that runs the adapter, whatever its queue, piled popular
-adapters onto few replicas in an exploratory run (p95 16-26x worse at ``--max-loras 8`` and
-full load). One step's token budget (``max_num_batched_tokens``) is the margin: a replica
-whose queue is that much longer delays the request's prefill by about one more step.
+``--max-loras 8`` under full load; on code TTFT tied but TGT p50 was 5-13 % longer in 3 of 4
+scenarios (an adapter's long requests concentrated on fewer replicas). Always taking the
+replica that runs the adapter, whatever its queue, piled popular adapters onto few replicas
+in an exploratory run (p95 16-26x worse at ``--max-loras 8`` and full load). One step's
+token budget (``max_num_batched_tokens``) is the margin: a replica whose queue is that much
+longer delays the request's prefill by about one more step.
 
 `lora_route` combines both for one adapter request, as the gateway and the simulator call
 it; no I/O.
