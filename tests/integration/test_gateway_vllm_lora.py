@@ -171,26 +171,29 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
     )
     assert unloaded.status_code == 200, unloaded.text
 
-    # Replica 2 answers vLLM's 404 now; the gateway moves those requests to replica 1. Sent
-    # at once, so that SAL spreads them over both (one at a time, an idle fleet's ties all
-    # go to replica 1), with prompts of about 1,300 tokens: the gateway keeps an adapter's
-    # requests where it runs only while that replica's queue is within a step (2,048
-    # tokens) of the other's.
-    def ask(i: int) -> httpx.Response:
-        one = {**body, "prompt": f"after unload {i} " * 100, "max_tokens": 16}
-        return httpx.post(f"{url}/v1/completions", json=one, timeout=120)
-
+    # Replica 2 answers vLLM's 404 now. So that the gateway sends lora-c there (rather than
+    # where lora-c last ran), replica 1's only LoRA slot is held by lora-a, which only
+    # replica 1 serves, running a long request: the gateway passes over replica 1, replica
+    # 2 answers 404, and the request goes on to replica 1, where it waits for the slot.
     def retried_from_replica_2() -> float:
         samples = scrape_metrics(url)
         return metric(samples, "sal_retries_total", model=MODEL, backend=replicas[1])
 
     retried = retried_from_replica_2()
-    with ThreadPoolExecutor(6) as pool:
-        answers = list(pool.map(ask, range(6)))
-    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    with ThreadPoolExecutor(1) as pool:
+        a = pool.submit(_completed_at, url, "lora-a", MAX_MODEL_LEN - 64, 8)
+        deadline = time.monotonic() + 30
+        while not (
+            _lora_running(replicas[0]) == ["lora-a"] and _gateway_sees_held(url, replicas[0])
+        ):
+            assert time.monotonic() < deadline, "the gateway never saw lora-a's slot held"
+            assert not a.done(), "lora-a finished before the gateway saw its slot held"
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        a.result(timeout=120)
+    assert answer.status_code == 200, answer.text
     # Replica 2 was tried, answered 404, the request went on to replica 1, and replica 2 is
     # no longer taken to serve lora-c.
-    assert retried_from_replica_2() > retried
+    assert retried_from_replica_2() == retried + 1
     assert listed_on() == 1
 
 
@@ -272,8 +275,16 @@ def _slot_counters(url: str, replicas: list[str], outcome: str) -> tuple[float, 
     return decided, routed
 
 
+def _gateway_sees_held(url: str, replica: str) -> bool:
+    """Whether the gateway counts `replica`'s one LoRA slot as held (its own view, which a
+    slow poll of a busy replica can leave behind the replica's /stats for a while)."""
+    samples = scrape_metrics(url)
+    return metric(samples, "sal_backend_lora_slots_used", model=MODEL, backend=replica) == 1
+
+
 def _lora_running(replica: str) -> list[str]:
-    stats = httpx.get(f"{replica}/stats", timeout=5).json()
+    # A replica busy relaying a long answer can take seconds to serve /stats on 2 cores.
+    stats = httpx.get(f"{replica}/stats", timeout=30).json()
     assert stats["max_loras"] == 1
     return list(stats["lora_running"])
 
@@ -303,6 +314,9 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
                 assert time.monotonic() < deadline, "no replica's /stats showed lora-d running"
                 assert not d.done(), "lora-d finished before any /stats showed it running"
                 holder = next((r for r in replicas if _lora_running(r) == ["lora-d"]), None)
+            while not _gateway_sees_held(url, holder):  # the premise, as the gateway sees it
+                assert time.monotonic() < deadline, "the gateway never saw lora-d's slot held"
+                assert not d.done(), "lora-d finished before the gateway saw its slot held"
             base = pool.submit(_completed_at, url, MODEL, long_tokens, 8)
             time.sleep(0.3)  # the base request is routed (SAL: the replica with fewer in flight)
             steered_before, routed_before = counters()
@@ -350,7 +364,9 @@ def test_an_adapter_joins_the_replica_already_running_it(
                 assert time.monotonic() < deadline, "no replica's /stats showed lora-f running"
                 assert not f.done(), "lora-f finished before any /stats showed it running"
                 holder = next((r for r in replicas if _lora_running(r) == ["lora-f"]), None)
-            time.sleep(0.3)  # a poll or two: the gateway sees it too
+            while not _gateway_sees_held(url, holder):  # the premise, as the gateway sees it
+                assert time.monotonic() < deadline, "the gateway never saw lora-f's slot held"
+                assert not f.done(), "lora-f finished before the gateway saw its slot held"
             kept_before, routed_before = counters()
             held = _lora_running(holder) == ["lora-f"]
             _completed_at(url, "lora-f", 1)
