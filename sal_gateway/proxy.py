@@ -309,8 +309,7 @@ class Forwarder:
         """`views` narrowed for `adapter` (`sal_core.lora_slots.lora_route`): to the backends
         that can start it now, when any can, and among those to the ones already running it
         unless their queues are more than a step longer; counts what decided it."""
-        blocked = self._table.lora_blocked(model, adapter)
-        holders = self._table.lora_holders(model, adapter)
+        blocked, holders = self._table.lora_slots(model, adapter)
         if not blocked and not holders:
             return views
         narrowed, outcome = lora_route(views, blocked, holders)

@@ -471,27 +471,30 @@ class StateTable:
         ]
         return cap_budgets(views, self.budget_spread_max)
 
-    def lora_blocked(self, model: str, adapter: str) -> set[str]:
-        """URLs of `model`'s backends where a request for `adapter` would wait for a LoRA
-        slot (`sal_core.lora_slots.can_start`): every slot is held by other adapters."""
-        blocked = set()
+    def lora_slots(self, model: str, adapter: str) -> tuple[set[str], set[str]]:
+        """For a request for `adapter`, one pass over `model`'s backends whose LoRA slots are
+        known: (URLs where it would wait for a slot, every slot held by other adapters
+        (`sal_core.lora_slots.can_start`); URLs whose slots hold `adapter` now, its
+        requests running there or routed there since the last poll)."""
+        blocked: set[str] = set()
+        holders: set[str] = set()
         for backend in self._pools.get(model, {}).values():
             occupied = backend.lora_occupied()
             if occupied is None or backend.stats is None:
                 continue
-            if not can_start(adapter, backend.stats.max_loras, occupied):
+            if adapter in occupied:
+                holders.add(backend.url)
+            elif not can_start(adapter, backend.stats.max_loras, occupied):
                 blocked.add(backend.url)
-        return blocked
+        return blocked, holders
+
+    def lora_blocked(self, model: str, adapter: str) -> set[str]:
+        """The first half of `lora_slots`."""
+        return self.lora_slots(model, adapter)[0]
 
     def lora_holders(self, model: str, adapter: str) -> set[str]:
-        """URLs of `model`'s backends whose LoRA slots hold `adapter` now (its requests run
-        there, or were routed there since the last poll): a request for it starts there
-        without taking a slot another adapter may need."""
-        return {
-            backend.url
-            for backend in self._pools.get(model, {}).values()
-            if adapter in (backend.lora_occupied() or ())
-        }
+        """The second half of `lora_slots`."""
+        return self.lora_slots(model, adapter)[1]
 
     def degraded_views(self, model: str, now_s: float, max_age_s: float) -> list[BackendView]:
         """Views for *degraded routing*, used only when no backend of `model` is eligible
