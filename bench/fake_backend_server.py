@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--also-serves", action="append", default=[], help="a further served name (repeatable)"
     )
+    parser.add_argument(
+        "--adapter", action="append", default=[], help="a LoRA adapter it serves (repeatable)"
+    )
     parser.add_argument("--name", default=None, help="reported as 'backend' (default fake-PORT)")
     parser.add_argument("--first-byte-delay-s", type=float, default=0.0)
     parser.add_argument("--chunk-delay-s", type=float, default=0.0)
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name or f"fake-{args.port}",
         model=args.model,
         also_serves=tuple(args.also_serves),
+        adapters=tuple(args.adapter),
         behaviour=behaviour,
         keep_received=0,
     )

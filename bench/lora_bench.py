@@ -17,8 +17,10 @@ vLLM's FCFS order with ``--max-loras`` `MAX_LORAS`, at `LOAD_FRACTIONS` of the l
 p2c+fcfs nears its capacity without adapters (`bench.gateways.LOADS`), by round robin, p2c,
 least requests and SAL, each blind to LoRA slots, with the free-slot filter only, and with
 the gateway's rule (free slots, then the replicas already running the adapter), on 3
-windows. LoRA's kernel
-cost and adapter loading are not modelled (the same for every router).
+windows. Then each router with the gateway's rule as `WORKERS` workers of one host
+(``listen.workers``) sharing their accounting, with and without the adapters each routed
+since its last poll (`SETUPS`). LoRA's kernel cost and adapter loading are not modelled
+(the same for every router).
 
 Writes ``lora.md`` and ``lora.json``.
 """
@@ -50,6 +52,13 @@ LORA_ROUTING = ("blind", "slots", "affinity")
 """How each router treats LoRA slots: not at all; only the free-slot filter
 (`sal_core.lora_slots.prefer_free_slots`); the gateway's rule, which also prefers replicas
 already running the adapter (`sal_core.lora_slots.lora_route`)."""
+WORKERS = 4
+"""Gateway workers of one host (``listen.workers``) in the several-workers runs."""
+SETUPS = ("one", "workers", "workers_apart")
+"""Who routes: one gateway; `WORKERS` workers sharing their between-poll accounting
+(``listen.workers``, arrivals split round robin), including the adapters each routed since
+its last poll (`sal_gateway.shared_accounting`); the same workers sharing counts but not
+adapters (the gateway before it shared them). The workers' runs use the gateway's rule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,41 +99,53 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
             scale_load(recorded, factor), adapters=ADAPTERS, zipf_s=ZIPF_S, seed=index
         )
         for max_loras in MAX_LORAS:
-            for router in ROUTERS:
-                for lora in LORA_ROUTING:
-                    started = time.perf_counter()
-                    config = RouterConfig(
-                        seed=index, lora_slots=lora != "blind", lora_affinity=lora == "affinity"
-                    )
-                    result = run_stack(
-                        reqs,
-                        Stack(router, router, {"scheduler": "fcfs", "max_loras": max_loras}),
-                        profile=plan.profile,
-                        replicas=plan.replicas,
-                        router=config,
-                    )
-                    s = result.summary
-                    rows.append(
-                        {
-                            "workload": workload,
-                            "load_fraction": fraction,
-                            "max_loras": max_loras,
-                            "window": index,
-                            "router": router,
-                            "lora": lora,
-                            "requests": len(reqs),
-                            "ttft_p50_s": s.ttft_p50_s,
-                            "ttft_p95_s": s.ttft_p95_s,
-                            "ttft_p99_s": s.ttft_p99_s,
-                            "tgt_p50_s": s.tgt_p50_s,
-                            "preemption_rate": s.preemption_rate,
-                        }
-                    )
-                    log(
-                        f"{workload} window {index} load {fraction:g} max_loras {max_loras} "
-                        f"{router} {lora}: TTFT p95 {s.ttft_p95_s:.3f}s "
-                        f"({time.perf_counter() - started:.1f}s)"
-                    )
+            runs = [(router, lora, "one") for router in ROUTERS for lora in LORA_ROUTING]
+            runs += [(router, "affinity", setup) for router in ROUTERS for setup in SETUPS[1:]]
+            for router, lora, setup in runs:
+                started = time.perf_counter()
+                workers: dict[str, Any] = {}
+                if setup != "one":
+                    workers = {
+                        "gateways": WORKERS,
+                        "shared_accounting": True,
+                        "shared_adapters": setup == "workers",
+                    }
+                config = RouterConfig(
+                    seed=index,
+                    lora_slots=lora != "blind",
+                    lora_affinity=lora == "affinity",
+                    **workers,
+                )
+                result = run_stack(
+                    reqs,
+                    Stack(router, router, {"scheduler": "fcfs", "max_loras": max_loras}),
+                    profile=plan.profile,
+                    replicas=plan.replicas,
+                    router=config,
+                )
+                s = result.summary
+                rows.append(
+                    {
+                        "workload": workload,
+                        "load_fraction": fraction,
+                        "max_loras": max_loras,
+                        "window": index,
+                        "router": router,
+                        "lora": lora,
+                        "setup": setup,
+                        "requests": len(reqs),
+                        "ttft_p50_s": s.ttft_p50_s,
+                        "ttft_p95_s": s.ttft_p95_s,
+                        "ttft_p99_s": s.ttft_p99_s,
+                        "tgt_p50_s": s.tgt_p50_s,
+                        "preemption_rate": s.preemption_rate,
+                    }
+                )
+                log(
+                    f"{workload} window {index} load {fraction:g} max_loras {max_loras} "
+                    f"{router} {lora} {setup}: TTFT p95 {s.ttft_p95_s:.3f}s "
+                    f"({time.perf_counter() - started:.1f}s)"
+                )
     return rows
 
 
@@ -145,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         "zipf_s": ZIPF_S,
         "max_loras": MAX_LORAS,
         "load_fractions": LOAD_FRACTIONS,
+        "workers": WORKERS,
         "wall_s": round(time.perf_counter() - started, 1),
         "command": "sal-bench lora" + (" --quick" if args.quick else ""),
     }

@@ -33,7 +33,9 @@ METRICS = (
 )
 
 
-def _runs(rows: Sequence[Row], scenario: Scenario, router: str, lora: str) -> list[Row]:
+def _runs(
+    rows: Sequence[Row], scenario: Scenario, router: str, lora: str, setup: str = "one"
+) -> list[Row]:
     workload, fraction, max_loras = scenario
     runs = [
         r
@@ -41,14 +43,46 @@ def _runs(rows: Sequence[Row], scenario: Scenario, router: str, lora: str) -> li
         if (r["workload"], r["load_fraction"], r["max_loras"]) == (workload, fraction, max_loras)
         and r["router"] == router
         and r["lora"] == lora
+        and r.get("setup", "one") == setup
     ]
     return sorted(runs, key=lambda r: r["window"])
 
 
 def _values(
-    rows: Sequence[Row], scenario: Scenario, router: str, lora: str, metric: str
+    rows: Sequence[Row],
+    scenario: Scenario,
+    router: str,
+    lora: str,
+    metric: str,
+    setup: str = "one",
 ) -> list[float]:
-    return [float(r[metric]) for r in _runs(rows, scenario, router, lora)]
+    return [float(r[metric]) for r in _runs(rows, scenario, router, lora, setup)]
+
+
+SETUP_LABELS = {
+    "one": "one gateway",
+    "workers": "{k} workers, adapters shared",
+    "workers_apart": "{k} workers, adapters not shared",
+}
+WORKER_COMPARISONS = (
+    ("{k} workers not sharing adapters", "workers_apart"),
+    ("one gateway", "one"),
+)
+
+
+def workers_headline(rows: Sequence[Row], scenario: Scenario, router: str) -> dict[str, str]:
+    """`router`'s workers sharing their pending adapters (gateway's rule) against the same
+    workers not sharing them and against one gateway, TTFT p95 and p99 paired per window:
+    ``{"against / metric": "1.31x [1.20–1.45] win"}`` (empty without workers' runs)."""
+    ours = {m: _values(rows, scenario, router, "affinity", m, "workers") for m, _ in METRICS}
+    if not ours["ttft_p95_s"]:
+        return {}
+    out = {}
+    for name, setup in WORKER_COMPARISONS:
+        for metric, label in METRICS[1:3]:
+            base = _values(rows, scenario, router, "affinity", metric, setup)
+            out[f"{name} / {label}"] = compare(base, ours[metric]).format()
+    return out
 
 
 def _best(rows: Sequence[Row], scenario: Scenario, lora: str, metric: str) -> list[float]:
@@ -133,7 +167,43 @@ def render(rows: Sequence[Row], meta: dict[str, Any]) -> str:
         for name, cells_by_metric in headline(rows, scenario).items():
             lines.append(f"| {name} | " + " | ".join(cells_by_metric.values()) + " |")
         lines.append("")
+        lines += _workers_section(rows, scenario, int(meta.get("workers", 0)))
     return "\n".join(lines)
+
+
+def _workers_section(rows: Sequence[Row], scenario: Scenario, k: int) -> list[str]:
+    """Several workers of one host (gateway's rule): with and without shared adapters."""
+    if not k or not any(r.get("setup", "one") != "one" for r in rows):
+        return []
+    lines = [
+        f"Several workers (`listen.workers` {k}, shared accounting, arrivals split round "
+        "robin; gateway's rule):",
+        "",
+        "| router | who routes | " + " | ".join(label for _, label in METRICS) + " |",
+        "|---|---|" + "---|" * len(METRICS),
+    ]
+    for router in (*BASELINES, "sal"):
+        for setup, label in SETUP_LABELS.items():
+            runs = _runs(rows, scenario, router, "affinity", setup)
+            if runs:
+                cells = [spread([float(r[m]) for r in runs]).format(3) for m, _ in METRICS]
+                lines.append(f"| {router} | {label.format(k=k)} | " + " | ".join(cells) + " |")
+    columns = [
+        f"{name.format(k=k)} / {label}"
+        for name, _ in WORKER_COMPARISONS
+        for _, label in METRICS[1:3]
+    ]
+    lines += [
+        "",
+        f"| {k} workers sharing adapters against | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for router in (*BASELINES, "sal"):
+        ratios = workers_headline(rows, scenario, router)
+        if ratios:
+            lines.append(f"| {router} | " + " | ".join(ratios.values()) + " |")
+    lines.append("")
+    return lines
 
 
 def write_report(rows: Sequence[Row], meta: dict[str, Any], out: Path) -> str:

@@ -47,7 +47,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -141,7 +141,12 @@ class RouterConfig:
     """Several gateways (`gateways` > 1) are the workers of one host sharing their
     between-poll accounting (``listen.share_accounting``, `sal_gateway.shared_accounting`):
     each decides on its own snapshot plus every gateway's in-flight requests and
-    unacknowledged tokens. False: each counts only what it routed itself."""
+    unacknowledged tokens (and, with `shared_adapters`, the adapters they routed that no
+    snapshot includes yet). False: each counts only what it routed itself."""
+    shared_adapters: bool = True
+    """With `shared_accounting` and `lora_slots`: a replica's LoRA slots count the adapters
+    every worker routed there since its snapshot (the gateway shares them in the same
+    block). False: each worker counts only its own (the gateway before it shared them)."""
     gossip_interval_s: float | None = None
     """Several gateways on separate hosts telling each other their between-poll accounting
     over the network. Every `gossip_interval_s` each gateway sends its in-flight counts and
@@ -303,15 +308,19 @@ class _RouterView:
             self.routed_tokens -= ticket.queued_tokens
             self.routed_kv_tokens -= ticket.kv_tokens
 
-    def lora_occupied(self) -> frozenset[str] | None:
+    def lora_occupied(self, others: Iterable[str] = ()) -> frozenset[str] | None:
         """The adapters holding the replica's LoRA slots as far as the router knows (the
-        snapshot's, plus those it routed there that no snapshot includes yet); None when
-        the replica reports no slots (`sal_gateway.state.BackendState.lora_occupied`)."""
+        snapshot's, plus those it routed there that no snapshot includes yet, plus `others`:
+        the other workers' such adapters, when shared); None when the replica reports no
+        slots (`sal_gateway.state.BackendState.lora_occupied`)."""
         snap = self.snapshot
         if snap.max_loras <= 0:
             return None
-        pending = {t.adapter for t in self.unacked if t.counted and t.adapter is not None}
-        return frozenset(snap.lora_running).union(pending)
+        return frozenset(snap.lora_running).union(self.pending_adapters(), others)
+
+    def pending_adapters(self) -> set[str]:
+        """Adapters this router sent here that no snapshot it saw includes yet."""
+        return {t.adapter for t in self.unacked if t.counted and t.adapter is not None}
 
     def counts(self) -> tuple[int, int, int]:
         """(in flight, unacknowledged prefill tokens, their KV tokens)."""
@@ -564,8 +573,14 @@ class Simulation:
         ]
         if req.adapter is not None and self._router_cfg.lora_slots:
             blocked, holders = set(), set()
-            for v, u in zip(views, self._urls, strict=True):
-                occupied = v.lora_occupied()
+            share = self._router_cfg.shared_accounting and self._router_cfg.shared_adapters
+            for r, (v, u) in enumerate(zip(views, self._urls, strict=True)):
+                others: set[str] = set()
+                if share:
+                    for g, gateway_views in enumerate(self._views):
+                        if g != gateway:
+                            others |= gateway_views[r].pending_adapters()
+                occupied = v.lora_occupied(others)
                 if occupied is None:
                     continue
                 if req.adapter in occupied:

@@ -31,12 +31,16 @@ it; no I/O.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
+from typing import TypeVar
 
 from sal_core.policies import BackendView
 
+K = TypeVar("K", bound=Hashable)
+"""An adapter's identity: its name, or a hash of it (`sal_gateway.shared_accounting`)."""
 
-def can_start(adapter: str, max_loras: int, occupied: Collection[str]) -> bool:
+
+def can_start(adapter: K, max_loras: int, occupied: Collection[K]) -> bool:
     """Whether a request for `adapter` can start on a replica whose batch holds the adapters
     `occupied` out of `max_loras` slots: it is one of them, or a slot is free. ``max_loras``
     0 (LoRA slots unknown: a stock replica without the metric, an older ``/stats``) says

@@ -40,7 +40,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from sal_gateway.config import PeersConfig, split_host_port
@@ -355,11 +355,22 @@ class PeerSlot:
         self._network = network
         self._key = key
 
-    def publish(self, in_flight: int, routed_tokens: int, routed_kv_tokens: int) -> None:
+    def publish(
+        self,
+        in_flight: int,
+        routed_tokens: int,
+        routed_kv_tokens: int,
+        adapters: Collection[str] = (),
+    ) -> None:
+        """Send the counts (the wire carries no LoRA adapters: `adapters` stay local)."""
         self._network.publish(self._key, (in_flight, routed_tokens, routed_kv_tokens))
 
     def others(self) -> tuple[int, int, int]:
         return self._network.others(self._key)
+
+    def other_adapters(self) -> frozenset[int]:
+        """None: gateways on other hosts do not tell each other their pending adapters."""
+        return frozenset()
 
 
 class BothCounts:
@@ -374,11 +385,20 @@ class BothCounts:
         self._local = local
         self._remote = remote
 
-    def publish(self, in_flight: int, routed_tokens: int, routed_kv_tokens: int) -> None:
-        self._local.publish(in_flight, routed_tokens, routed_kv_tokens)
-        self._remote.publish(in_flight, routed_tokens, routed_kv_tokens)
+    def publish(
+        self,
+        in_flight: int,
+        routed_tokens: int,
+        routed_kv_tokens: int,
+        adapters: Collection[str] = (),
+    ) -> None:
+        self._local.publish(in_flight, routed_tokens, routed_kv_tokens, adapters)
+        self._remote.publish(in_flight, routed_tokens, routed_kv_tokens, adapters)
 
     def others(self) -> tuple[int, int, int]:
         a = self._local.others()
         b = self._remote.others()
         return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+    def other_adapters(self) -> frozenset[int]:
+        return self._local.other_adapters() | self._remote.other_adapters()

@@ -54,7 +54,8 @@ Rules:
 * **Workers of one host share that accounting** (``listen.workers``, `PeerCounts`): each
   publishes its in-flight requests and unacknowledged tokens per backend, and a backend's
   view adds the other workers' to its own, so a worker never decides blind to what the
-  others routed since the snapshot. The other workers' unacknowledged tokens may already be
+  others routed since the snapshot, nor to the LoRA slots their adapters' requests took
+  since then (`lora_slots`). The other workers' unacknowledged tokens may already be
   in this worker's snapshot for the few milliseconds until their own polls acknowledge them:
   an overestimate, never a request forgotten.
 """
@@ -63,13 +64,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from sal_core.lora_slots import can_start
 from sal_core.policies import BackendView
 from sal_core.stats import ReplicaStats
+from sal_gateway.shared_accounting import adapter_key
 
 SOURCES = ("stats", "metrics", "none")
 """Where a backend's state comes from: sal-stats/1 ``/stats``, vLLM ``/metrics``, nothing."""
@@ -84,11 +86,22 @@ class PeerCounts(Protocol):
     """One backend's accounting shared with the other workers of this host
     (`sal_gateway.shared_accounting.SharedSlot`)."""
 
-    def publish(self, in_flight: int, routed_tokens: int, routed_kv_tokens: int) -> None:
-        """Make this process's counts for the backend visible to the other workers."""
+    def publish(
+        self,
+        in_flight: int,
+        routed_tokens: int,
+        routed_kv_tokens: int,
+        adapters: Collection[str] = (),
+    ) -> None:
+        """Make this process's counts for the backend, and the LoRA `adapters` of its
+        requests there that no snapshot includes yet, visible to the other workers."""
 
     def others(self) -> tuple[int, int, int]:
         """The other workers' (in flight, unacknowledged prefill tokens, KV tokens)."""
+
+    def other_adapters(self) -> frozenset[int]:
+        """The other workers' pending LoRA adapters here, as
+        `sal_gateway.shared_accounting.adapter_key` hashes (empty where not shared)."""
 
 
 DEFAULT_BUDGET_SPREAD_MAX = 4.0
@@ -179,8 +192,15 @@ class BackendState:
         releases stay quiet: a re-added one under the same address owns the entry)."""
         if self.peers is not None and not self.removed:
             self.peers.publish(
-                self.in_flight, self.routed_tokens_since_poll, self.routed_kv_tokens_since_poll
+                self.in_flight,
+                self.routed_tokens_since_poll,
+                self.routed_kv_tokens_since_poll,
+                self.pending_adapters(),
             )
+
+    def pending_adapters(self) -> set[str]:
+        """LoRA adapters of requests routed here that no snapshot includes yet."""
+        return {t.adapter for t in self.unacked if t.adapter is not None and not t.acked}
 
     def peer_counts(self) -> tuple[int, int, int]:
         """The other workers' (in flight, unacknowledged tokens, KV tokens) here."""
@@ -262,8 +282,7 @@ class BackendState:
         stats = self.stats
         if stats is None or stats.max_loras <= 0:
             return None
-        pending = {t.adapter for t in self.unacked if t.adapter is not None and not t.acked}
-        return frozenset(stats.lora_running).union(pending)
+        return frozenset(stats.lora_running).union(self.pending_adapters())
 
     def acknowledge_before(self, cutoff_s: float) -> None:
         """Stop counting every ticket sent before `cutoff_s` (a snapshot includes them)."""
@@ -478,13 +497,24 @@ class StateTable:
         requests running there or routed there since the last poll)."""
         blocked: set[str] = set()
         holders: set[str] = set()
+        key: int | None = None
         for backend in self._pools.get(model, {}).values():
             occupied = backend.lora_occupied()
             if occupied is None or backend.stats is None:
                 continue
-            if adapter in occupied:
+            others = frozenset[int]() if backend.peers is None else backend.peers.other_adapters()
+            if others:  # compare as the shared block does: by `adapter_key`
+                key = adapter_key(adapter) if key is None else key
+                keys = others.union(adapter_key(name) for name in occupied)
+                holds, free = key in keys, can_start(key, backend.stats.max_loras, keys)
+            else:
+                holds, free = (
+                    adapter in occupied,
+                    can_start(adapter, backend.stats.max_loras, occupied),
+                )
+            if holds:
                 holders.add(backend.url)
-            elif not can_start(adapter, backend.stats.max_loras, occupied):
+            elif not free:
                 blocked.add(backend.url)
         return blocked, holders
 

@@ -6,7 +6,7 @@ on the shared port are answered by both workers (the kernel spreads connections)
 worker polls the backends itself, each worker's own port serves its ``/metrics``, and the
 workers' counters add up to exactly the requests sent; SIGTERM stops every worker; with
 ``listen.share_accounting`` (the default) a worker routes knowing what the other worker has in
-flight, and without it it does not.
+flight and which LoRA slots its requests just took, and without it it does not.
 """
 
 from __future__ import annotations
@@ -157,3 +157,43 @@ def test_a_worker_routes_knowing_what_the_other_worker_has_in_flight(
                 chosen = route_short_requests(worker1)
     expected = "b" if share else "a"
     assert chosen == [expected] * SHORT_REQUESTS, chosen
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_worker_counts_the_lora_slot_the_other_worker_just_filled(
+    tmp_path: Path, share: bool
+) -> None:
+    """Each replica has one LoRA slot, free in every snapshot. Worker 0 streams lora-a; then
+    worker 1 routes lora-b by round robin, whose first pick is the replica lora-a took.
+    Sharing, worker 1 counts that slot as taken and sends lora-b to the other replica
+    (where vLLM can start it now); on separate accounting it sends lora-b into the full
+    slot, where vLLM would make it wait for lora-a's stream to end. The fakes' snapshots
+    never show lora-a running, and ``routing.accounting_grace_s`` keeps its request
+    unacknowledged for the test's length, so only the workers' shared accounting can tell."""
+    fake_ports, gw_port, own = _ports()
+    adapters = ("--adapter", "lora-a", "--adapter", "lora-b")
+    with fake_procs(tmp_path, fake_ports, *adapters) as fakes:
+        for fake in fakes:
+            fake.fault(chunk_delay_s=0.2, stats={"max_loras": 1, "lora_running": []})
+        config = _two_workers(
+            gw_port, own, [f.url for f in fakes], "round_robin", share_accounting=share
+        )
+        config["routing"]["accounting_grace_s"] = 60.0
+        with run_gateway(config):
+            for port in own:
+                _ready(port)
+            worker0, worker1 = (f"http://127.0.0.1:{p}" for p in own)
+            body = {"model": "lora-a", "prompt": "long", "max_tokens": 1000, "stream": True}
+            with httpx.stream("POST", f"{worker0}/v1/completions", json=body, timeout=60) as held:
+                assert held.status_code == 200
+                took = held.headers["x-fake-backend"]
+                short = {"model": "lora-b", "prompt": "hi", "max_tokens": 2}
+                resp = httpx.post(f"{worker1}/v1/completions", json=short, timeout=30)
+                assert resp.status_code == 200, resp.text
+                chosen = resp.headers["x-fake-backend"]
+                steered = metric(
+                    scrape_metrics(worker1), "sal_lora_slot_decisions_total", outcome="steered"
+                )
+    other = {"a": "b", "b": "a"}[took]
+    assert chosen == (other if share else took), (took, chosen)
+    assert (steered or 0.0) == (1.0 if share else 0.0)

@@ -16,10 +16,12 @@ import pytest
 from engine_sim.fake_vllm import default_stats
 from sal_core.policies import RouteRequest, make_policy
 from sal_gateway.shared_accounting import (
+    ADAPTER_WORDS,
     PREFIX,
     SharedAccounting,
     SharedAccountingError,
     SharedSlot,
+    adapter_key,
     remove_orphans,
 )
 from sal_gateway.state import StateTable
@@ -155,6 +157,56 @@ def test_two_workers_tables_see_each_others_routing_until_a_snapshot_covers_it(
         for ticket in tickets:
             StateTable.release(ticket)
         assert second.views("m", 0.3)[0].in_flight == 0
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+def test_a_worker_reads_the_pending_adapters_the_other_published(block: SharedAccounting) -> None:
+    w0, w1 = SharedAccounting.attach(block.name, 0), SharedAccounting.attach(block.name, 1)
+    try:
+        a0, a1 = _slot(w0, "m", A), _slot(w1, "m", A)
+        assert a1.other_adapters() == frozenset()
+        a0.publish(2, 100, 100, ["lora-a", "lora-b"])
+        assert a1.other_adapters() == {adapter_key("lora-a"), adapter_key("lora-b")}
+        assert a1.others() == (2, 100, 100)
+        assert a0.other_adapters() == frozenset()  # its own are not "others"
+        a0.publish(1, 50, 50, ["lora-b"])  # lora-a's request acknowledged: its word clears
+        assert a1.other_adapters() == {adapter_key("lora-b")}
+        many = [f"lora-{i}" for i in range(ADAPTER_WORDS + 3)]
+        a0.publish(len(many), 0, 0, many)  # more than the entry holds: ADAPTER_WORDS shared
+        assert len(a1.other_adapters()) == ADAPTER_WORDS
+        assert a1.other_adapters() <= {adapter_key(name) for name in many}
+        a0.publish(0, 0, 0)
+        assert a1.other_adapters() == frozenset()
+        assert _slot(w1, "m", B).other_adapters() == frozenset()  # another backend's entry
+    finally:
+        w0.close()
+        w1.close()
+
+
+def test_a_lora_slot_another_worker_filled_since_the_poll_blocks_this_ones_adapter(
+    block: SharedAccounting,
+) -> None:
+    # Each replica has one LoRA slot, free at the poll. Worker 0 sends lora-a to A; worker 1
+    # must then see A's slot taken: lora-b waits there (blocked), lora-a would join it.
+    first, second, handles = _tables(block)
+    try:
+        stats = dataclasses.replace(default_stats(), max_loras=1, lora_running=())
+        for table in (first, second):
+            for url in (A, B):
+                table.record_poll_success("m", url, stats, "stats", now_s=0.0)
+        assert second.lora_slots("m", "lora-b") == (set(), set())
+        ticket = first.route("m", A, 300, sent_s=0.05, adapter="lora-a")
+        assert second.lora_slots("m", "lora-b") == ({A}, set())
+        assert second.lora_slots("m", "lora-a") == (set(), {A})
+        # Both kinds of knowledge count together: worker 1's own lora-c on B fills B.
+        own = second.route("m", B, 300, sent_s=0.06, adapter="lora-c")
+        assert second.lora_slots("m", "lora-b") == ({A, B}, set())
+        StateTable.release(ticket)  # lora-a's request is over: A's slot is free again
+        assert second.lora_slots("m", "lora-b") == ({B}, set())
+        StateTable.release(own)
+        assert first.lora_slots("m", "lora-b") == (set(), set())
     finally:
         for handle in handles:
             handle.close()

@@ -10,7 +10,16 @@ import pytest
 
 from bench import lora_bench
 from bench.cli import main
-from bench.lora_report import headline, render
+from bench.lora_report import headline, render, workers_headline
+
+META = {
+    "command": "sal-bench lora",
+    "wall_s": 1.0,
+    "plan": {"replicas": 8, "profile": "p", "windows": 3, "window_s": 300.0},
+    "adapters": 32,
+    "zipf_s": 1.0,
+    "loads": {"chat": 2.0},
+}
 
 
 def _row(router: str, lora: str, window: int, p95: float) -> dict[str, object]:
@@ -43,17 +52,28 @@ def test_the_report_pairs_windows_and_takes_the_best_baseline_per_window() -> No
     assert cells["best baseline blind to LoRA slots"]["TTFT p95"] == "10x [8–12] win"
     assert cells["best baseline with the same rule"]["TTFT p95"] == "2x win"
     assert cells["SAL with the free-slot filter only"]["TTFT p50"] == "1x tie"
-    meta = {
-        "command": "sal-bench lora",
-        "wall_s": 1.0,
-        "plan": {"replicas": 8, "profile": "p", "windows": 3, "window_s": 300.0},
-        "adapters": 32,
-        "zipf_s": 1.0,
-        "loads": {"chat": 2.0},
-    }
-    text = render(rows, meta)
+    text = render(rows, META)
     assert "## chat, load 0.5 x, --max-loras 4" in text
     assert "| sal | + gateway rule (free slot, then affinity) | 0.1 | 0.5 | 1 | 5 |" in text
+
+
+def test_the_workers_section_pairs_shared_adapters_with_apart_and_one_gateway() -> None:
+    rows = []
+    for window in range(3):
+        for router in ("round_robin", "p2c", "least_requests", "sal"):
+            for lora in ("blind", "slots", "affinity"):
+                rows.append({**_row(router, lora, window, 1.0), "setup": "one"})
+        for setup, p95 in (("workers", 1.0 + window / 100), ("workers_apart", 2.0)):
+            rows.append({**_row("sal", "affinity", window, p95), "setup": setup})
+    cells = workers_headline(rows, ("chat", 0.5, 4), "sal")
+    assert cells["{k} workers not sharing adapters / TTFT p95"] == "1.98x [1.96–2] win"
+    assert cells["one gateway / TTFT p95"] == "0.99x [0.98–1] tie"
+    assert workers_headline(rows, ("chat", 0.5, 4), "p2c") == {}  # no workers' runs
+    text = render(rows, {**META, "workers": 4})
+    assert "| sal | 4 workers, adapters not shared | 0.1 | 2 | 4 | 5 |" in text
+    assert "| sal | 1.98x [1.96–2] win |" in text
+    # The single-gateway tables never mix in the workers' runs.
+    assert "| sal | + gateway rule (free slot, then affinity) | 0.1 | 1 | 2 | 5 |" in text
 
 
 def test_a_missing_trace_is_refused_with_its_path(
@@ -75,11 +95,16 @@ def test_the_quick_command_shows_what_lora_slots_are_worth(
     monkeypatch.setattr(lora_bench, "LOAD_FRACTIONS", (0.5,))
     assert main(["lora", "--quick", "--out", str(tmp_path)]) == 0  # in this process
     rows = json.loads((tmp_path / "lora.json").read_text())["rows"]
-    assert len(rows) == 2 * 3 * 2  # windows x LoRA routing x routers
-    p95 = {(r["router"], r["lora"], r["window"]): r["ttft_p95_s"] for r in rows}
+    # windows x routers x (LoRA routing of one gateway + workers sharing adapters or not)
+    assert len(rows) == 2 * 2 * (3 + 2)
+    p95 = {
+        (r["router"], r["lora"], r["window"]): r["ttft_p95_s"] for r in rows if r["setup"] == "one"
+    }
     # With eight slots each for 32 adapters on 4 replicas, routing blind to the slots makes
     # requests queue behind other adapters: the gateway's rule is far better, every window.
     for window in range(2):
         for router in ("p2c", "sal"):
             assert p95[(router, "affinity", window)] * 2 < p95[(router, "blind", window)]
-    assert "| SAL with the gateway's rule against |" in (tmp_path / "lora.md").read_text()
+    report = (tmp_path / "lora.md").read_text()
+    assert "| SAL with the gateway's rule against |" in report
+    assert "| 4 workers sharing adapters against |" in report

@@ -101,3 +101,22 @@ def test_the_router_keeps_an_adapter_where_it_runs_and_spares_free_slots() -> No
     assert [d.replica for d in ruled.decisions] == [0, 0, 0]
     only_slots = _run(reqs, 2, lora_affinity=False).run()
     assert [d.replica for d in only_slots.decisions] == [0, 1, 0]
+
+
+def test_workers_sharing_accounting_see_each_others_pending_adapters() -> None:
+    # Two workers (round-robin split), one slot per replica. Worker 0 sends x to replica 0;
+    # 10 ms later, before any poll shows x there, worker 1's own round robin also points at
+    # replica 0. Sharing pending adapters, it sees the slot taken and sends y to replica 1;
+    # not sharing them, y waits behind x's 1,000 tokens.
+    reqs = [TraceRequest(0.0, 100, 1000, adapter="x"), TraceRequest(0.01, 100, 5, adapter="y")]
+    workers = {"gateways": 2, "shared_accounting": True}
+    shared = _run(reqs, 1, **workers).run()
+    apart = _run(reqs, 1, shared_adapters=False, **workers).run()
+    assert [d.gateway for d in shared.decisions] == [0, 1]
+    assert [d.replica for d in shared.decisions] == [0, 1]
+    assert [d.replica for d in apart.decisions] == [0, 0]
+    y_shared, y_apart = (
+        next(o for o in r.outcomes if o.request_id == "r1") for r in (shared, apart)
+    )
+    assert y_shared.first_token_s - y_shared.arrival_s < 0.5
+    assert y_apart.first_token_s > 5.0  # after x's 1,000 tokens
