@@ -16,11 +16,11 @@ exponent `ZIPF_S`) and replayed through 8 Llama-3-8B replicas on A100-40GB runni
 vLLM's FCFS order with ``--max-loras`` `MAX_LORAS`, at `LOAD_FRACTIONS` of the load at which
 p2c+fcfs nears its capacity without adapters (`bench.gateways.LOADS`), by round robin, p2c,
 least requests and SAL, each blind to LoRA slots, with the free-slot filter only, and with
-the gateway's rule (free slots, then the replicas already running the adapter), on 3
+the gateway's rule (free slots, then the replicas already running the adapter), on 8
 windows. Then each router with the gateway's rule as `WORKERS` workers of one host
 (``listen.workers``) sharing their accounting, with and without the adapters each routed
-since its last poll (`SETUPS`). LoRA's kernel cost and adapter loading are not modelled
-(the same for every router).
+since its last poll, and as `WORKERS` gateways on separate hosts (``peers``; `SETUPS`).
+LoRA's kernel cost and adapter loading are not modelled (the same for every router).
 
 Writes ``lora.md`` and ``lora.json``.
 """
@@ -54,11 +54,13 @@ LORA_ROUTING = ("blind", "slots", "affinity")
 already running the adapter (`sal_core.lora_slots.lora_route`)."""
 WORKERS = 4
 """Gateway workers of one host (``listen.workers``) in the several-workers runs."""
-SETUPS = ("one", "workers", "workers_apart")
+SETUPS = ("one", "workers", "workers_apart", "peers", "peers_apart")
 """Who routes: one gateway; `WORKERS` workers sharing their between-poll accounting
 (``listen.workers``, arrivals split round robin), including the adapters each routed since
 its last poll (`sal_gateway.shared_accounting`); the same workers sharing counts but not
-adapters (the gateway before it shared them). The workers' runs use the gateway's rule."""
+adapters (the gateway before it shared them); `WORKERS` gateways on separate hosts telling
+each other the same at every change, 1 ms apart (``peers``), and with their counts but not
+their adapters. All but the first use the gateway's rule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ class Plan:
     windows: int
 
 
-FULL = Plan(("chat", "code"), "llama3-8b-a100", 8, 300.0, 3)
+FULL = Plan(("chat", "code"), "llama3-8b-a100", 8, 300.0, 8)
 QUICK = Plan(("chat",), "llama3-8b-a100", 4, 120.0, 3)
 
 
@@ -104,7 +106,13 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
             for router, lora, setup in runs:
                 started = time.perf_counter()
                 workers: dict[str, Any] = {}
-                if setup != "one":
+                if setup.startswith("peers"):
+                    workers = {
+                        "gateways": WORKERS,
+                        "gossip_interval_s": 0.0,
+                        "shared_adapters": setup == "peers",
+                    }
+                elif setup != "one":
                     workers = {
                         "gateways": WORKERS,
                         "shared_accounting": True,

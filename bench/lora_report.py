@@ -63,17 +63,21 @@ SETUP_LABELS = {
     "one": "one gateway",
     "workers": "{k} workers, adapters shared",
     "workers_apart": "{k} workers, adapters not shared",
+    "peers": "{k} gateways on separate hosts (peers), adapters shared",
+    "peers_apart": "{k} gateways on separate hosts (peers), adapters not shared",
 }
 WORKER_COMPARISONS = (
     ("{k} workers not sharing adapters", "workers_apart"),
     ("one gateway", "one"),
+    ("{k} gateways with peers", "peers"),
 )
 
 
 def workers_headline(rows: Sequence[Row], scenario: Scenario, router: str) -> dict[str, str]:
     """`router`'s workers sharing their pending adapters (gateway's rule) against the same
-    workers not sharing them and against one gateway, TTFT p95 and p99 paired per window:
-    ``{"against / metric": "1.31x [1.20–1.45] win"}`` (empty without workers' runs)."""
+    workers not sharing them, one gateway, and as many gateways on separate hosts with
+    ``peers``, TTFT p95 and p99 paired per window: ``{"against / metric": "1.31x [1.20–1.45]
+    win"}`` ("—" for a setup not run; empty without workers' runs)."""
     ours = {m: _values(rows, scenario, router, "affinity", m, "workers") for m, _ in METRICS}
     if not ours["ttft_p95_s"]:
         return {}
@@ -81,7 +85,20 @@ def workers_headline(rows: Sequence[Row], scenario: Scenario, router: str) -> di
     for name, setup in WORKER_COMPARISONS:
         for metric, label in METRICS[1:3]:
             base = _values(rows, scenario, router, "affinity", metric, setup)
-            out[f"{name} / {label}"] = compare(base, ours[metric]).format()
+            out[f"{name} / {label}"] = compare(base, ours[metric]).format() if base else "—"
+    return out
+
+
+def peers_headline(rows: Sequence[Row], scenario: Scenario, router: str) -> dict[str, str]:
+    """`router`'s gateways with ``peers`` telling each other their pending adapters against
+    the same gateways telling only their counts, TTFT p95 and p99 paired per window (empty
+    without those runs)."""
+    out = {}
+    for metric, label in METRICS[1:3]:
+        ours = _values(rows, scenario, router, "affinity", metric, "peers")
+        base = _values(rows, scenario, router, "affinity", metric, "peers_apart")
+        if ours and base:
+            out[label] = compare(base, ours).format()
     return out
 
 
@@ -176,8 +193,9 @@ def _workers_section(rows: Sequence[Row], scenario: Scenario, k: int) -> list[st
     if not k or not any(r.get("setup", "one") != "one" for r in rows):
         return []
     lines = [
-        f"Several workers (`listen.workers` {k}, shared accounting, arrivals split round "
-        "robin; gateway's rule):",
+        f"Several gateways, arrivals split round robin, gateway's rule: `listen.workers` {k} "
+        f"(shared accounting, with or without the pending adapters) or {k} gateways on "
+        "separate hosts telling each other every change 1 ms later (`peers`):",
         "",
         "| router | who routes | " + " | ".join(label for _, label in METRICS) + " |",
         "|---|---|" + "---|" * len(METRICS),
@@ -202,6 +220,17 @@ def _workers_section(rows: Sequence[Row], scenario: Scenario, k: int) -> list[st
         ratios = workers_headline(rows, scenario, router)
         if ratios:
             lines.append(f"| {router} | " + " | ".join(ratios.values()) + " |")
+    peers = {router: peers_headline(rows, scenario, router) for router in (*BASELINES, "sal")}
+    if any(peers.values()):
+        lines += [
+            "",
+            f"| {k} gateways with peers sharing adapters against the same not sharing them "
+            "| TTFT p95 | TTFT p99 |",
+            "|---|---|---|",
+        ]
+        for router, ratios in peers.items():
+            if ratios:
+                lines.append(f"| {router} | " + " | ".join(ratios.values()) + " |")
     lines.append("")
     return lines
 

@@ -144,9 +144,10 @@ class RouterConfig:
     unacknowledged tokens (and, with `shared_adapters`, the adapters they routed that no
     snapshot includes yet). False: each counts only what it routed itself."""
     shared_adapters: bool = True
-    """With `shared_accounting` and `lora_slots`: a replica's LoRA slots count the adapters
-    every worker routed there since its snapshot (the gateway shares them in the same
-    block). False: each worker counts only its own (the gateway before it shared them)."""
+    """With `shared_accounting` or `gossip_interval_s`, and `lora_slots`: a replica's LoRA
+    slots count the adapters every gateway routed there since its snapshot (the gateway's
+    workers share them in the same block, ``peers`` in the same datagram). False: each
+    counts only its own (the gateway before it shared them)."""
     gossip_interval_s: float | None = None
     """Several gateways on separate hosts telling each other their between-poll accounting
     over the network. Every `gossip_interval_s` each gateway sends its in-flight counts and
@@ -247,6 +248,11 @@ ACCOUNTING = ("ticket", "reset")
 """Between-poll accounting rules (`RouterConfig.accounting`)."""
 GATEWAY_SPLITS = ("round_robin", "random")
 """How arrivals are split among several gateways (`RouterConfig.gateway_split`)."""
+
+
+_Told = tuple[int, int, int, set[str]]
+"""What one gateway tells the others of one replica (gossip): in flight, unacknowledged
+prefill and KV tokens, and the adapters of its requests there that no snapshot includes."""
 
 
 @dataclass(slots=True)
@@ -399,7 +405,7 @@ class Simulation:
         self._decisions: list[RoutingRecord] = []
         # Gossip between gateways: each gateway's counts after every change (time, counts
         # per replica), oldest first, kept back to the newest one a reader may still use.
-        self._gossip_history: list[deque[tuple[float, list[tuple[int, int, int]]]]] = [
+        self._gossip_history: list[deque[tuple[float, list[_Told]]]] = [
             deque() for _ in range(cfg.gateways)
         ]
         # Each gateway keeps its own index of what it routed (approximate), or reads the
@@ -573,13 +579,19 @@ class Simulation:
         ]
         if req.adapter is not None and self._router_cfg.lora_slots:
             blocked, holders = set(), set()
-            share = self._router_cfg.shared_accounting and self._router_cfg.shared_adapters
+            cfg = self._router_cfg
+            share = cfg.shared_adapters and len(self._views) > 1
+            told = (
+                self._gossip(gateway, now_s) if share and cfg.gossip_interval_s is not None else []
+            )
             for r, (v, u) in enumerate(zip(views, self._urls, strict=True)):
                 others: set[str] = set()
-                if share:
+                if share and cfg.shared_accounting:
                     for g, gateway_views in enumerate(self._views):
                         if g != gateway:
                             others |= gateway_views[r].pending_adapters()
+                for heard_from in told:
+                    others |= heard_from[r][3]
                 occupied = v.lora_occupied(others)
                 if occupied is None:
                     continue
@@ -624,13 +636,13 @@ class Simulation:
     def _counts_changed(self, gateway: int, now_s: float) -> None:
         """Remember `gateway`'s counts as of `now_s` for the others (gossip only)."""
         if self._router_cfg.gossip_interval_s is not None and len(self._views) > 1:
-            counts = [v.counts() for v in self._views[gateway]]
+            counts = [(*v.counts(), v.pending_adapters()) for v in self._views[gateway]]
             history = self._gossip_history[gateway]
             if history and history[-1][0] == now_s:
                 history.pop()
             history.append((now_s, counts))
 
-    def _gossip(self, gateway: int, now_s: float) -> list[list[tuple[int, int, int]]]:
+    def _gossip(self, gateway: int, now_s: float) -> list[list[_Told]]:
         """The other gateways' counts as last heard by `now_s`: each sends its counts every
         `gossip_interval_s` (on a phase of its own, offset by interval / K from one gateway
         to the next, like the polls; 0: at every change), and they arrive
@@ -638,7 +650,7 @@ class Simulation:
         interval_s = self._router_cfg.gossip_interval_s
         assert interval_s is not None
         k = len(self._views)
-        heard: list[list[tuple[int, int, int]]] = []
+        heard: list[list[_Told]] = []
         for g in range(k):
             if g == gateway:
                 continue

@@ -15,9 +15,9 @@ adapter already runs, unless those replicas' queues are more than one engine ste
 the others': a request sent to a free slot takes it for as long as the adapter's requests
 run there, and the next adapter to need a slot on that replica waits. In the simulator
 (``sal-bench lora``: Azure chat and code windows, 32 Zipf-popular adapters, 8 replicas;
-docs/results/lora.md), that preference lowered SAL's p95 TTFT 1.75-6.9x against the free-slot
-filter alone where slots were scarce (chat, ``--max-loras 4``) and p99 6.1x at
-``--max-loras 8`` under full load; on code TTFT tied but TGT p50 was 5-13 % longer in 3 of 4
+docs/results/lora.md, 8 windows), that preference lowered SAL's p95 TTFT 1.9-6.4x against
+the free-slot filter alone where slots were scarce (chat, ``--max-loras 4``) and p99 4.2x at
+``--max-loras 8`` under full load; on code TTFT tied but TGT p50 was 7-12 % longer in 3 of 4
 scenarios (an adapter's long requests concentrated on fewer replicas). Always taking the
 replica that runs the adapter, whatever its queue, piled popular adapters onto few replicas
 in an exploratory run (p95 16-26x worse at ``--max-loras 8`` and full load). One step's

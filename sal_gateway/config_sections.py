@@ -396,4 +396,7 @@ def _peers(path: str, data: Mapping[str, Any], listen: ListenConfig) -> PeersCon
         heartbeat_s=heartbeat,
         expire_s=expire,
         resolve_s=_as_float(f"{path}.resolve_s", data.get("resolve_s", d.resolve_s)),
+        share_adapters=_as_bool(
+            f"{path}.share_adapters", data.get("share_adapters", d.share_adapters)
+        ),
     )

@@ -9,7 +9,15 @@ Layout, little-endian::
     header  magic b"SALP" | version u8 | reserved 3 bytes | sender u64 | group u64 | seq u64
             | rows u16
     row     key u64 | in flight u32 | routed prefill tokens u64 | routed KV tokens u64
+            | adapters u8 | that many adapter keys u64
     tag     the first 16 bytes of HMAC-SHA256(secret, header + rows)
+
+The adapters (version 2) are the LoRA adapters of the sender's requests to that backend that
+no snapshot it polled includes yet, as `sal_gateway.shared_accounting.adapter_key` hashes, at
+most `MAX_ADAPTERS`: each takes one of the backend's ``--max-loras`` slots
+(`sal_core.lora_slots`). Version 1 rows (from a gateway not yet upgraded) have no adapter
+count and are read as carrying none; this version sends version 2, which a version 1
+gateway refuses as malformed until it is upgraded too (it then routes as if alone).
 
 `sender` is a random id the gateway draws at start (a restarted gateway is a new sender);
 `group` is the same for the workers of one host that share their accounting through memory
@@ -34,15 +42,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAGIC = b"SALP"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)
+"""Versions `decode` reads (1: rows without adapters)."""
 _HEADER = struct.Struct("<4sB3xQQQH")
-_ROW = struct.Struct("<QIQQ")
+_ROW_V1 = struct.Struct("<QIQQ")
+_ROW = struct.Struct("<QIQQB")
+_ADAPTER = struct.Struct("<Q")
 TAG_BYTES = 16
-MAX_ROWS = 48
-"""Rows per datagram: 34-byte header + 48 x 28 + 16 = 1,394 bytes, under a 1,500-byte
-Ethernet frame with IP and UDP headers (fragmented datagrams are lost whole, and more
-often, on overlay networks)."""
-MAX_DATAGRAM = _HEADER.size + MAX_ROWS * _ROW.size + TAG_BYTES
+MAX_ADAPTERS = 8
+"""Adapters per row (`sal_gateway.shared_accounting.ADAPTER_WORDS`, the same bound)."""
+MAX_DATAGRAM = 1440
+"""Bytes per datagram, under a 1,500-byte Ethernet frame with IPv6 (40) or IPv4 (20) and UDP
+(8) headers: fragmented datagrams are lost whole, and more often on overlay networks."""
+ROOM = MAX_DATAGRAM - _HEADER.size - TAG_BYTES
+"""Bytes of rows one datagram holds (`PeerRow.size` each)."""
+MAX_ROWS = ROOM // _ROW.size
+"""Rows per datagram when none carries an adapter (47); `fits` says whether rows fit."""
 MIN_SECRET_BYTES = 16
 MAX_COUNT = 2**40
 """Larger token or request counts than any fleet holds: a datagram claiming one is refused."""
@@ -68,6 +84,17 @@ class PeerRow:
     in_flight: int
     routed_tokens: int
     routed_kv_tokens: int
+    adapters: tuple[int, ...] = ()
+    """Pending LoRA adapters there (`sal_gateway.shared_accounting.adapter_key`)."""
+
+    def size(self) -> int:
+        """Bytes the row takes in a datagram (its adapters cut to `MAX_ADAPTERS`)."""
+        return _ROW.size + _ADAPTER.size * min(len(self.adapters), MAX_ADAPTERS)
+
+
+def fits(rows: Sequence[PeerRow]) -> bool:
+    """Whether `rows` fit in one datagram of at most `MAX_DATAGRAM` bytes."""
+    return sum(row.size() for row in rows) <= ROOM
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +108,24 @@ class PeerMessage:
 def encode(
     secret: bytes, sender: int, seq: int, rows: Sequence[PeerRow], group: int | None = None
 ) -> bytes:
-    """One datagram of at most `MAX_ROWS` rows (negative counts are sent as 0); `group`
-    defaults to `sender`."""
-    if len(rows) > MAX_ROWS:
-        raise ValueError(f"at most {MAX_ROWS} rows per datagram, got {len(rows)}")
+    """One datagram of `rows` that `fits` (negative counts are sent as 0, a row's adapters
+    beyond `MAX_ADAPTERS` not at all); `group` defaults to `sender`."""
+    if not fits(rows):
+        raise ValueError(f"{len(rows)} rows do not fit in one datagram of {MAX_DATAGRAM} bytes")
     group = sender if group is None else group
     parts = [_HEADER.pack(MAGIC, VERSION, sender, group, seq, len(rows))]
     for row in rows:
+        adapters = row.adapters[:MAX_ADAPTERS]
         parts.append(
             _ROW.pack(
                 row.key,
                 min(max(0, row.in_flight), 2**32 - 1),
                 min(max(0, row.routed_tokens), MAX_COUNT),
                 min(max(0, row.routed_kv_tokens), MAX_COUNT),
+                len(adapters),
             )
         )
+        parts += [_ADAPTER.pack(key) for key in adapters]
     body = b"".join(parts)
     return body + hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
 
@@ -111,14 +141,30 @@ def decode(secret: bytes, datagram: bytes) -> PeerMessage:
     if not hmac.compare_digest(tag, expected):
         raise PeerWireError("tag does not match the shared secret", "bad_tag")
     magic, version, sender, group, seq, count = _HEADER.unpack_from(body)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in VERSIONS:
         raise PeerWireError(f"magic {magic!r} version {version}", "malformed")
-    if len(body) != _HEADER.size + count * _ROW.size:
-        raise PeerWireError(f"{count} rows in {len(body)} bytes", "malformed")
     rows = []
+    offset = _HEADER.size
     for i in range(count):
-        key, in_flight, tokens, kv = _ROW.unpack_from(body, _HEADER.size + i * _ROW.size)
+        if version == 1:
+            if offset + _ROW_V1.size > len(body):
+                raise PeerWireError(f"{count} rows in {len(body)} bytes", "malformed")
+            key, in_flight, tokens, kv = _ROW_V1.unpack_from(body, offset)
+            offset += _ROW_V1.size
+            adapters: tuple[int, ...] = ()
+        else:
+            if offset + _ROW.size > len(body):
+                raise PeerWireError(f"{count} rows in {len(body)} bytes", "malformed")
+            key, in_flight, tokens, kv, n = _ROW.unpack_from(body, offset)
+            offset += _ROW.size
+            end = offset + n * _ADAPTER.size
+            if n > MAX_ADAPTERS or end > len(body):
+                raise PeerWireError(f"row {i}: {n} adapters", "malformed")
+            adapters = tuple(k for (k,) in _ADAPTER.iter_unpack(body[offset:end]))
+            offset = end
         if tokens > MAX_COUNT or kv > MAX_COUNT:
             raise PeerWireError(f"row {i}: {tokens} tokens, {kv} KV tokens", "malformed")
-        rows.append(PeerRow(key, in_flight, tokens, kv))
+        rows.append(PeerRow(key, in_flight, tokens, kv, adapters))
+    if offset != len(body):
+        raise PeerWireError(f"{count} rows in {len(body)} bytes", "malformed")
     return PeerMessage(sender, group, seq, tuple(rows))

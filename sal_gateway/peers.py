@@ -14,10 +14,12 @@ it is alive).
 
 What a gateway sends for each backend: its requests in flight there and the prefill and KV
 tokens it routed there that no snapshot it polled includes yet (`sal_gateway.state`), as
-absolute values (`sal_gateway.peer_wire`). What it adds to its own: every peer's latest
-values, for peers heard within `PeersConfig.expire_s`; a peer that died or lost its network
-stops counting then. A gateway restarted on the same address (a new sender id from the
-socket address an old one used) replaces the old one's counts at its first datagram.
+absolute values (`sal_gateway.peer_wire`); with `PeersConfig.share_adapters`, also the LoRA
+adapters of those requests, which hold the backend's ``--max-loras`` slots. What it adds to
+its own: every peer's latest values, for peers heard within `PeersConfig.expire_s`; a peer
+that died or lost its network stops counting then. A gateway restarted on the same address
+(a new sender id from the socket address an old one used) replaces the old one's counts at
+its first datagram.
 
 Trust: every datagram carries an HMAC tag under a secret all the gateways share (from the
 environment, `load_secret`); one without it is dropped and counted
@@ -45,14 +47,15 @@ from dataclasses import dataclass, field
 
 from sal_gateway.config import PeersConfig, split_host_port
 from sal_gateway.peer_wire import (
-    MAX_ROWS,
+    MAX_ADAPTERS,
     MIN_SECRET_BYTES,
+    ROOM,
     PeerRow,
     PeerWireError,
     decode,
     encode,
 )
-from sal_gateway.shared_accounting import backend_key
+from sal_gateway.shared_accounting import adapter_key, backend_key
 from sal_gateway.state import PeerCounts
 
 log = logging.getLogger("sal_gateway.peers")
@@ -127,8 +130,9 @@ class _Peer:
     heard_s: float
     addr: tuple[object, ...] = ()
     """Where its datagrams come from (its socket's address)."""
-    rows: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
-    """Backend key -> (seq of the datagram that set it, in flight, tokens, KV tokens)."""
+    rows: dict[int, tuple[int, int, int, int, tuple[int, ...]]] = field(default_factory=dict)
+    """Backend key -> (seq of the datagram that set it, in flight, tokens, KV tokens,
+    pending LoRA adapters)."""
 
 
 Metrics = Callable[[str], None]
@@ -161,7 +165,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._on_datagram = on_datagram or (lambda result: None)
         self._on_sent = on_sent or (lambda datagrams, errors: None)
         self._seq = 0
-        self._own: dict[int, tuple[int, int, int]] = {}
+        self._own: dict[int, tuple[int, int, int, tuple[int, ...]]] = {}
         self._changed: set[int] = set()
         self._peers: dict[int, _Peer] = {}
         self._targets: tuple[tuple[object, ...], ...] = ()
@@ -210,11 +214,15 @@ class PeerNetwork(asyncio.DatagramProtocol):
     def slot(self, model: str, url: str) -> PeerSlot:
         return PeerSlot(self, backend_key(model, url))
 
-    def publish(self, key: int, counts: tuple[int, int, int]) -> None:
-        """This gateway's counts for `key` changed: send them at the end of this loop turn."""
-        if self._own.get(key) == counts:
+    def publish(
+        self, key: int, counts: tuple[int, int, int], adapters: tuple[int, ...] = ()
+    ) -> None:
+        """This gateway's counts (and pending LoRA `adapters`, `adapter_key` hashes) for
+        `key` changed: send them at the end of this loop turn."""
+        own = (*counts, adapters)
+        if self._own.get(key) == own:
             return
-        self._own[key] = counts
+        self._own[key] = own
         self._changed.add(key)
         if not self._flush_pending and self._loop is not None:
             self._flush_pending = True
@@ -233,6 +241,15 @@ class PeerNetwork(asyncio.DatagramProtocol):
                 tokens += row[2]
                 kv += row[3]
         return in_flight, tokens, kv
+
+    def other_adapters(self, key: int) -> frozenset[int]:
+        """Every live peer's latest pending LoRA adapters for `key`."""
+        cutoff = self._clock() - self.config.expire_s
+        found: set[int] = set()
+        for peer in self._peers.values():
+            if peer.heard_s >= cutoff and (row := peer.rows.get(key)) is not None:
+                found.update(row[4])
+        return frozenset(found)
 
     # --- receiving ---------------------------------------------------------------------
 
@@ -269,6 +286,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
                 row.in_flight,
                 row.routed_tokens,
                 row.routed_kv_tokens,
+                row.adapters,
             )
         if message.rows and stale == len(message.rows):
             self._on_datagram("old")
@@ -300,8 +318,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
         if transport is None or not self._targets or not (keys or announce):
             return
         sent = errors = 0
-        for start in range(0, max(1, len(keys)), MAX_ROWS):
-            rows = [PeerRow(k, *self._own[k]) for k in keys[start : start + MAX_ROWS]]
+        for rows in _datagrams([PeerRow(k, *self._own[k]) for k in keys]):
             self._seq += 1
             datagram = encode(self._secret, self.sender, self._seq, rows, self.group)
             for target in self._targets:
@@ -346,6 +363,21 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._targets = tuple(dict.fromkeys(a for addrs in by_name.values() for a in addrs))
 
 
+def _datagrams(rows: list[PeerRow]) -> list[list[PeerRow]]:
+    """`rows` split, in order, into as few datagrams as `fits` allows (one empty datagram
+    when there are none: the heartbeat's announcement)."""
+    batches: list[list[PeerRow]] = [[]]
+    used = 0
+    for row in rows:
+        size = row.size()
+        if batches[-1] and used + size > ROOM:
+            batches.append([])
+            used = 0
+        batches[-1].append(row)
+        used += size
+    return batches
+
+
 class PeerSlot:
     """One backend's `sal_gateway.state.PeerCounts` over the network."""
 
@@ -362,15 +394,20 @@ class PeerSlot:
         routed_kv_tokens: int,
         adapters: Collection[str] = (),
     ) -> None:
-        """Send the counts (the wire carries no LoRA adapters: `adapters` stay local)."""
-        self._network.publish(self._key, (in_flight, routed_tokens, routed_kv_tokens))
+        """Send the counts, and the pending `adapters` with ``peers.share_adapters``."""
+        keys: tuple[int, ...] = ()
+        if self._network.config.share_adapters:
+            keys = tuple(sorted(adapter_key(name) for name in adapters))[:MAX_ADAPTERS]
+        self._network.publish(self._key, (in_flight, routed_tokens, routed_kv_tokens), keys)
 
     def others(self) -> tuple[int, int, int]:
         return self._network.others(self._key)
 
     def other_adapters(self) -> frozenset[int]:
-        """None: gateways on other hosts do not tell each other their pending adapters."""
-        return frozenset()
+        """The peers' pending adapters (none without ``peers.share_adapters``)."""
+        if not self._network.config.share_adapters:
+            return frozenset()
+        return self._network.other_adapters(self._key)
 
 
 class BothCounts:

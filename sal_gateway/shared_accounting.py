@@ -25,10 +25,9 @@ entry sits at ``key % slots`` or the next free one after it (linear probing).
 **Pending LoRA adapters.** A request routed to a backend for an adapter takes one of its
 ``--max-loras`` slots until a snapshot includes it (`sal_core.lora_slots`). Each worker
 publishes those adapters (`adapter_key` hashes, 0 for none) so that the others count the
-slots as taken too: in the simulator (``sal-bench lora``, docs/results/lora.md), 4 SAL
-workers that each knew only their own pending adapters had a 1.25x higher p95 TTFT and a
-1.58x higher p99 than with them shared (chat, ``--max-loras`` 4, half load); with them
-shared, 4 workers tie with one gateway. A worker with more than `ADAPTER_WORDS` distinct pending
+slots as taken too, as one gateway counts its own (a real-process test sees the second
+adapter go past the full slot; in the simulator, ``sal-bench lora``, TTFT ties with and
+without sharing them over 8 windows). A worker with more than `ADAPTER_WORDS` distinct pending
 adapters on one backend publishes `ADAPTER_WORDS` of them: enough to show every slot taken
 on a replica with that many slots or fewer.
 

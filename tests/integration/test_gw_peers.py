@@ -251,3 +251,54 @@ def test_peers_without_the_secret_is_a_config_error(tmp_path: Path) -> None:
         env,
     )
     assert "SAL_GATEWAY_PEERS_SECRET must hold a shared secret" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("told", "share_adapters"),
+    [(True, True), (True, False), (False, False)],
+    ids=["peers sharing adapters", "peers, counts only", "alone"],
+)
+def test_a_gateway_counts_the_lora_slot_the_other_gateway_just_filled(
+    tmp_path: Path, told: bool, share_adapters: bool
+) -> None:
+    """Each replica has one LoRA slot, free in every snapshot. Gateway A streams lora-a;
+    then gateway B routes lora-b by round robin, whose first pick is the replica lora-a
+    took. Told lora-a by A (``peers.share_adapters``), B counts that slot as taken and
+    sends lora-b to the other replica; told only A's counts, or alone, it sends lora-b into
+    the full slot (where vLLM would make it wait). The fakes' snapshots never show lora-a
+    running and ``routing.accounting_grace_s`` keeps it unacknowledged, so only what A
+    tells B can make the difference."""
+    ports = PortAllocator(22000, 22999)
+    fake_ports = [ports.take(), ports.take()]
+    gw = [ports.take(), ports.take()]
+    udp = [ports.take(), ports.take()]
+    adapters = ("--adapter", "lora-a", "--adapter", "lora-b")
+    with fake_procs(tmp_path, fake_ports, *adapters) as fakes, ExitStack() as stack:
+        for fake in fakes:
+            fake.fault(chunk_delay_s=0.2, stats={"max_loras": 1, "lora_running": []})
+        urls = []
+        for me, other in ((0, 1), (1, 0)):
+            config = _gateway(gw[me], [f.url for f in fakes], udp[me], udp[other] if told else None)
+            config["routing"].update(policy="round_robin", accounting_grace_s=60.0)
+            if told:
+                config["peers"]["share_adapters"] = share_adapters
+            url, _ = stack.enter_context(run_gateway_process(config, env=SECRET_ENV))
+            urls.append(url)
+        first, second = urls
+        if told:
+            wait_until(
+                lambda: metric(scrape_metrics(second), "sal_peers_heard") == 1.0,
+                10,
+                "gateway B never heard gateway A",
+            )
+        body = {"model": "lora-a", "prompt": "long", "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", f"{first}/v1/completions", json=body, timeout=60) as held:
+            assert held.status_code == 200
+            took = held.headers["x-fake-backend"]
+            time.sleep(0.5)  # A's datagram crosses loopback in well under a millisecond
+            short = {"model": "lora-b", "prompt": "hi", "max_tokens": 2}
+            resp = httpx.post(f"{second}/v1/completions", json=short, timeout=30)
+            assert resp.status_code == 200, resp.text
+            chosen = resp.headers["x-fake-backend"]
+    other = {"a": "b", "b": "a"}[took]
+    assert chosen == (other if share_adapters else took), (took, chosen)

@@ -10,22 +10,27 @@ not hear each other), or routing that anyone on the network can steer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import socket
+import struct
 from collections import Counter
 
 import pytest
 
 from sal_gateway.config import ConfigError, PeersConfig, build_config
 from sal_gateway.peer_wire import (
+    MAX_ADAPTERS,
     MAX_DATAGRAM,
     MAX_ROWS,
     PeerRow,
     PeerWireError,
     decode,
     encode,
+    fits,
 )
 from sal_gateway.peers import PeerNetwork, PeersError, bind_socket, load_secret, open_peer_link
-from sal_gateway.shared_accounting import backend_key
+from sal_gateway.shared_accounting import adapter_key, backend_key
 
 SECRET = b"0123456789abcdef-shared"
 
@@ -33,11 +38,50 @@ SECRET = b"0123456789abcdef-shared"
 def test_a_datagram_round_trips_and_stays_under_one_ethernet_frame() -> None:
     rows = [PeerRow(k + 1, k, 1000 * k, 2000 * k) for k in range(MAX_ROWS)]
     data = encode(SECRET, 42, 7, rows)
-    assert len(data) == MAX_DATAGRAM <= 1500 - 20 - 8  # IPv4 and UDP headers
+    assert len(data) <= MAX_DATAGRAM <= 1500 - 40 - 8  # IPv6 and UDP headers
     message = decode(SECRET, data)
     assert (message.sender, message.seq, list(message.rows)) == (42, 7, rows)
     with pytest.raises(ValueError, match="rows"):
         encode(SECRET, 42, 8, [*rows, PeerRow(99, 1, 1, 1)])
+
+
+def test_pending_adapters_round_trip_and_a_row_carries_at_most_max_adapters() -> None:
+    rows = [
+        PeerRow(1, 2, 300, 300, (11, 12)),
+        PeerRow(2, 0, 0, 0),
+        PeerRow(3, 9, 900, 900, tuple(range(100, 100 + MAX_ADAPTERS + 4))),
+    ]
+    decoded = decode(SECRET, encode(SECRET, 42, 7, rows)).rows
+    assert decoded[:2] == tuple(rows[:2])
+    assert decoded[2].adapters == tuple(range(100, 100 + MAX_ADAPTERS))
+    full = [PeerRow(k + 1, 1, 1, 1, tuple(range(MAX_ADAPTERS))) for k in range(15)]
+    assert fits(full[:14])  # 14 rows of 8 adapters: 1,352 bytes
+    assert not fits(full)  # 15: 1,445
+    assert len(encode(SECRET, 1, 1, full[:14])) <= MAX_DATAGRAM
+
+
+def test_a_gateway_not_yet_upgraded_is_still_heard() -> None:
+    # Version 1 rows (no adapter count), as a gateway of the previous release sends them.
+    header = struct.pack("<4sB3xQQQH", b"SALP", 1, 42, 42, 7, 2)
+    body = header + struct.pack("<QIQQ", 5, 3, 300, 200) + struct.pack("<QIQQ", 6, 1, 10, 10)
+    tag = hmac.new(SECRET, body, hashlib.sha256).digest()[:16]
+    message = decode(SECRET, body + tag)
+    assert message.rows == (PeerRow(5, 3, 300, 200), PeerRow(6, 1, 10, 10))
+
+
+@pytest.mark.parametrize(
+    ("count", "adapters", "extra"),
+    [(1, 9, 9), (1, 3, 2), (1, 1, 2), (2, 0, 0)],
+    ids=["over max adapters", "adapters past the end", "bytes left over", "rows missing"],
+)
+def test_rows_that_do_not_add_up_are_refused(count: int, adapters: int, extra: int) -> None:
+    """Authentic (a peer with the secret, or a bug) but inconsistent: refused, no traceback."""
+    body = struct.pack("<4sB3xQQQH", b"SALP", 2, 42, 42, 7, count)
+    body += struct.pack("<QIQQB", 5, 3, 300, 200, adapters) + struct.pack("<Q", 77) * extra
+    tag = hmac.new(SECRET, body, hashlib.sha256).digest()[:16]
+    with pytest.raises(PeerWireError) as caught:
+        decode(SECRET, body + tag)
+    assert caught.value.reason == "malformed"
 
 
 def test_negative_counts_are_sent_as_zero() -> None:
@@ -100,6 +144,9 @@ def test_peers_config_is_checked() -> None:
     ok = build_config(_config(listen="0.0.0.0:7946", addresses=["gw.ns.svc:7946"])).peers
     assert ok.enabled
     assert ok.addresses == ("gw.ns.svc:7946",)
+    assert not ok.share_adapters
+    on = _config(listen="0.0.0.0:7946", addresses=["a:1"], share_adapters=True)
+    assert build_config(on).peers.share_adapters
     assert not build_config(_config()).peers.enabled
     bad = [
         (_config(listen="0.0.0.0:7946"), "list the other gateways"),
@@ -109,6 +156,7 @@ def test_peers_config_is_checked() -> None:
         (_config(listen="0.0.0.0:7946", addresses=["a:70000"]), "host:port"),
         (_config(listen="0.0.0.0:1", addresses=["a:1"], expire_s=0.05), "exceed heartbeat"),
         (_config(listen="0.0.0.0:1", addresses=["a:1"], gossip=True), "unknown key"),
+        (_config(listen="0.0.0.0:1", addresses=["a:1"], share_adapters="yes"), "share_adapters"),
     ]
     for data, message in bad:
         with pytest.raises(ConfigError, match=message):
@@ -141,14 +189,18 @@ class _Pair:
     """Two networks on loopback, each listing the other (and itself, as a headless service
     name would)."""
 
-    def __init__(self, clock: list[float]) -> None:
+    def __init__(self, clock: list[float], *, share_adapters: bool = False) -> None:
         socks = [
             bind_socket(PeersConfig(listen="127.0.0.1:0", addresses=("127.0.0.1:9",)))
             for _ in range(2)
         ]
         addresses = tuple(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
         config = PeersConfig(
-            listen="127.0.0.1:0", addresses=addresses, heartbeat_s=0.05, expire_s=0.5
+            listen="127.0.0.1:0",
+            addresses=addresses,
+            heartbeat_s=0.05,
+            expire_s=0.5,
+            share_adapters=share_adapters,
         )
         self.results: list[Counter[str]] = [Counter(), Counter()]
         self.nets = [
@@ -201,6 +253,47 @@ async def test_a_change_reaches_the_other_gateway_at_once_and_a_silent_one_is_fo
         clock[0] += 0.6
         assert b_slot.others() == (0, 0, 0)
         assert b.heard() == 0
+
+
+async def test_a_gateway_hears_the_lora_adapters_the_other_routed_since_its_poll() -> None:
+    clock = [0.0]
+    pair = _Pair(clock, share_adapters=True)
+    async with pair as (a, b):
+        a_slot, b_slot = a.slot("m", "http://r1:8000"), b.slot("m", "http://r1:8000")
+        a_slot.publish(2, 600, 600, {"lora-a", "lora-b"})
+        both = {adapter_key("lora-a"), adapter_key("lora-b")}
+        await _until(lambda: b_slot.other_adapters() == both, 0.5)
+        assert a_slot.other_adapters() == frozenset()  # never its own
+        assert b.slot("m", "http://r2:8000").other_adapters() == frozenset()
+        a_slot.publish(1, 300, 300, {"lora-b"})  # lora-a's request acknowledged
+        await _until(lambda: b_slot.other_adapters() == {adapter_key("lora-b")}, 0.5)
+        await a.close()
+        clock[0] += 0.6  # a went silent: past expire_s its adapters no longer count
+        assert b_slot.other_adapters() == frozenset()
+
+
+async def test_without_share_adapters_only_the_counts_go_out() -> None:
+    clock = [0.0]
+    pair = _Pair(clock)  # peers.share_adapters off, the default
+    async with pair as (a, b):
+        a_slot, b_slot = a.slot("m", "http://r1:8000"), b.slot("m", "http://r1:8000")
+        a_slot.publish(2, 600, 600, {"lora-a"})
+        await _until(lambda: b_slot.others() == (2, 600, 600), 0.5)
+        assert b_slot.other_adapters() == frozenset()
+        assert b.other_adapters(backend_key("m", "http://r1:8000")) == frozenset()  # not sent
+
+
+async def test_many_backends_with_adapters_go_out_in_datagrams_that_fit() -> None:
+    clock = [0.0]
+    pair = _Pair(clock, share_adapters=True)
+    async with pair as (a, b):
+        names = {f"lora-{i}" for i in range(MAX_ADAPTERS)}
+        slots = [a.slot("m", f"http://r{i}:8000") for i in range(40)]  # 40 x 93 bytes
+        for i, slot in enumerate(slots):
+            slot.publish(i + 1, 0, 0, names)
+        keys = [backend_key("m", f"http://r{i}:8000") for i in range(40)]
+        await _until(lambda: all(len(b.other_adapters(k)) == MAX_ADAPTERS for k in keys), 1.0)
+        assert pair.results[1]["malformed"] == 0
 
 
 async def test_changes_of_one_loop_turn_go_out_in_one_datagram_per_peer() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from bench import lora_bench
 from bench.cli import main
-from bench.lora_report import headline, render, workers_headline
+from bench.lora_report import headline, peers_headline, render, workers_headline
 
 META = {
     "command": "sal-bench lora",
@@ -63,12 +63,22 @@ def test_the_workers_section_pairs_shared_adapters_with_apart_and_one_gateway() 
         for router in ("round_robin", "p2c", "least_requests", "sal"):
             for lora in ("blind", "slots", "affinity"):
                 rows.append({**_row(router, lora, window, 1.0), "setup": "one"})
-        for setup, p95 in (("workers", 1.0 + window / 100), ("workers_apart", 2.0)):
+        for setup, p95 in (
+            ("workers", 1.0 + window / 100),
+            ("workers_apart", 2.0),
+            ("peers", 1.5),
+            ("peers_apart", 3.0),
+        ):
             rows.append({**_row("sal", "affinity", window, p95), "setup": setup})
     cells = workers_headline(rows, ("chat", 0.5, 4), "sal")
     assert cells["{k} workers not sharing adapters / TTFT p95"] == "1.98x [1.96–2] win"
     assert cells["one gateway / TTFT p95"] == "0.99x [0.98–1] tie"
+    assert cells["{k} gateways with peers / TTFT p95"] == "1.49x [1.47–1.5] win"
     assert workers_headline(rows, ("chat", 0.5, 4), "p2c") == {}  # no workers' runs
+    assert peers_headline(rows, ("chat", 0.5, 4), "sal") == {
+        "TTFT p95": "2x win",
+        "TTFT p99": "2x win",
+    }
     text = render(rows, {**META, "workers": 4})
     assert "| sal | 4 workers, adapters not shared | 0.1 | 2 | 4 | 5 |" in text
     assert "| sal | 1.98x [1.96–2] win |" in text
@@ -95,8 +105,9 @@ def test_the_quick_command_shows_what_lora_slots_are_worth(
     monkeypatch.setattr(lora_bench, "LOAD_FRACTIONS", (0.5,))
     assert main(["lora", "--quick", "--out", str(tmp_path)]) == 0  # in this process
     rows = json.loads((tmp_path / "lora.json").read_text())["rows"]
-    # windows x routers x (LoRA routing of one gateway + workers sharing adapters or not)
-    assert len(rows) == 2 * 2 * (3 + 2)
+    # windows x routers x (LoRA routing of one gateway + workers and gateways with peers,
+    # sharing adapters or not)
+    assert len(rows) == 2 * 2 * (3 + 4)
     p95 = {
         (r["router"], r["lora"], r["window"]): r["ttft_p95_s"] for r in rows if r["setup"] == "one"
     }

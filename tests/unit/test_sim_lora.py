@@ -103,13 +103,23 @@ def test_the_router_keeps_an_adapter_where_it_runs_and_spares_free_slots() -> No
     assert [d.replica for d in only_slots.decisions] == [0, 1, 0]
 
 
-def test_workers_sharing_accounting_see_each_others_pending_adapters() -> None:
-    # Two workers (round-robin split), one slot per replica. Worker 0 sends x to replica 0;
-    # 10 ms later, before any poll shows x there, worker 1's own round robin also points at
-    # replica 0. Sharing pending adapters, it sees the slot taken and sends y to replica 1;
-    # not sharing them, y waits behind x's 1,000 tokens.
+@pytest.mark.parametrize(
+    "workers",
+    [
+        {"gateways": 2, "shared_accounting": True},
+        {"gateways": 2, "gossip_interval_s": 0.0, "gossip_delay_s": 0.001},
+    ],
+    ids=["workers", "peers"],
+)
+def test_gateways_sharing_accounting_see_each_others_pending_adapters(
+    workers: dict[str, object],
+) -> None:
+    # Two gateways (round-robin split), one slot per replica. Gateway 0 sends x to replica
+    # 0; 10 ms later, before any poll shows x there, gateway 1's own round robin also points
+    # at replica 0. Sharing pending adapters (workers through memory, peers by gossip), it
+    # sees the slot taken and sends y to replica 1; not sharing them, y waits behind x's
+    # 1,000 tokens.
     reqs = [TraceRequest(0.0, 100, 1000, adapter="x"), TraceRequest(0.01, 100, 5, adapter="y")]
-    workers = {"gateways": 2, "shared_accounting": True}
     shared = _run(reqs, 1, **workers).run()
     apart = _run(reqs, 1, shared_adapters=False, **workers).run()
     assert [d.gateway for d in shared.decisions] == [0, 1]
