@@ -13,7 +13,8 @@ Each replica is one FastAPI app (built by `create_app`) serving
   as ``model`` and run in the engine model's LoRA slots, as vLLM's scheduler does;
 * ``GET /stats`` — the ``sal-stats/1`` contract from `EngineModel.stats`;
 * ``GET /metrics`` — the stock-vLLM subset the gateway's fallback reads, with vLLM's
-  prefix-cache counters (``vllm:prefix_cache_queries_total``, ``..._hits_total``).
+  prefix-cache counters (``vllm:prefix_cache_queries_total``, ``..._hits_total``) and, with
+  LoRA adapters, ``vllm:lora_requests_info`` (the slots a stock-vLLM backend reports).
 
 Prefix caching is on, as in vLLM: a prompt's full blocks are keyed from the tokens the
 replica sees (`engine_sim.prompt_blocks`) and reused by later prompts that share them.

@@ -281,8 +281,15 @@ class EngineModel:
             prefix_cache_hit_tokens=self.prefix_hits_tokens,
             # sal-stats/1.2: LoRA slots.
             max_loras=cfg.max_loras,
-            lora_running=tuple(sorted({r.adapter for r in self._running if r.adapter})),
+            lora_running=self.lora_adapters()[0],
         )
+
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(adapters of the running requests, adapters of the waiting ones), each sorted
+        and without repeats: what vLLM's ``vllm:lora_requests_info`` labels carry."""
+        running = tuple(sorted({r.adapter for r in self._running if r.adapter}))
+        waiting = tuple(sorted({r.adapter for r in self._waiting if r.adapter}))
+        return running, waiting
 
     # --- commands -----------------------------------------------------------------------
 

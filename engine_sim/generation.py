@@ -45,7 +45,8 @@ class ReplicaState:
 
 
 def metrics_text(runtime: ReplicaRuntime, model_name: str) -> str:
-    """The stock vLLM ``/metrics`` series the gateway's fallback reads, plus counters."""
+    """The stock vLLM ``/metrics`` series the gateway's fallback reads, plus counters (and,
+    with LoRA slots, ``vllm:lora_requests_info``)."""
     engine = runtime.engine
     cfg = engine.config
     labels = f'engine="0",model_name="{model_name}"'
@@ -87,6 +88,16 @@ def metrics_text(runtime: ReplicaRuntime, model_name: str) -> str:
         f'vllm:request_success_total{{{labels},finished_reason="length"}} '
         f"{float(c.requests_finished)}",
     ]
+    if cfg.max_loras > 0:
+        # vLLM sets one series per label set to the time it was set (the newest is now's).
+        running, waiting = engine.lora_adapters()
+        lines += [
+            "# HELP vllm:lora_requests_info Running stats on lora requests.",
+            "# TYPE vllm:lora_requests_info gauge",
+            f'vllm:lora_requests_info{{max_lora="{cfg.max_loras}",'
+            f'running_lora_adapters="{",".join(running)}",'
+            f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}',
+        ]
     return "\n".join(lines) + "\n"
 
 

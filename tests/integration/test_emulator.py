@@ -265,11 +265,16 @@ async def test_lora_adapters_are_listed_served_and_wait_for_a_slot() -> None:
         while (await http.get(f"{url}/stats")).json()["lora_running"] != ["sql"]:
             assert time.monotonic() < deadline, "sql never ran"
             await asyncio.sleep(0.005)
+        # A stock-vLLM reader (the gateway's /metrics fallback) sees the same slot taken.
+        stock = parse_vllm_metrics((await http.get(f"{url}/metrics")).text, "tiny", 0.0)
+        assert (stock.max_loras, stock.lora_running) == (1, ("sql",))
         chat = await client.completions.create(model="chat", prompt=[4, 5, 6], max_tokens=1)
         assert long_sql.done()  # chat's request started only once sql's had ended
         assert chat.model == "chat"
         stats = (await http.get(f"{url}/stats")).json()
         assert (stats["max_loras"], stats["lora_running"]) == (1, [])
+        stock = parse_vllm_metrics((await http.get(f"{url}/metrics")).text, "tiny", 0.0)
+        assert (stock.max_loras, stock.lora_running) == (1, ())
         await client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
         before = _counter((await http.get(f"{url}/metrics")).text, "vllm:prefix_cache_hits")
         await client.completions.create(model="sql", prompt=prompt, max_tokens=1)
