@@ -15,9 +15,10 @@ Layout, little-endian::
 The adapters (version 2) are the LoRA adapters of the sender's requests to that backend that
 no snapshot it polled includes yet, as `sal_gateway.shared_accounting.adapter_key` hashes, at
 most `MAX_ADAPTERS`: each takes one of the backend's ``--max-loras`` slots
-(`sal_core.lora_slots`). Version 1 rows (from a gateway not yet upgraded) have no adapter
-count and are read as carrying none; this version sends version 2, which a version 1
-gateway refuses as malformed until it is upgraded too (it then routes as if alone).
+(`sal_core.lora_slots`). Version 1 rows have no adapter count. A datagram whose rows carry
+no adapter (always, unless ``peers.share_adapters`` is on) is sent as version 1, of at most
+`V1_ROWS` rows, exactly as the release before adapters sent it, so that mixed releases hear
+each other during a rolling upgrade; `decode` reads both.
 
 `sender` is a random id the gateway draws at start (a restarted gateway is a new sender);
 `group` is the same for the workers of one host that share their accounting through memory
@@ -56,9 +57,12 @@ MAX_DATAGRAM = 1440
 """Bytes per datagram, under a 1,500-byte Ethernet frame with IPv6 (40) or IPv4 (20) and UDP
 (8) headers: fragmented datagrams are lost whole, and more often on overlay networks."""
 ROOM = MAX_DATAGRAM - _HEADER.size - TAG_BYTES
-"""Bytes of rows one datagram holds (`PeerRow.size` each)."""
-MAX_ROWS = ROOM // _ROW.size
-"""Rows per datagram when none carries an adapter (47); `fits` says whether rows fit."""
+"""Bytes of version 2 rows one datagram holds (`PeerRow.size` each)."""
+V1_ROWS = 48
+"""Rows of a version 1 datagram: 34-byte header + 48 x 28 + 16 = 1,394 bytes, the largest
+datagram the release before adapters accepts."""
+MAX_ROWS = V1_ROWS
+"""Rows per datagram when none carries an adapter; `fits` says whether rows fit."""
 MIN_SECRET_BYTES = 16
 MAX_COUNT = 2**40
 """Larger token or request counts than any fleet holds: a datagram claiming one is refused."""
@@ -93,7 +97,10 @@ class PeerRow:
 
 
 def fits(rows: Sequence[PeerRow]) -> bool:
-    """Whether `rows` fit in one datagram of at most `MAX_DATAGRAM` bytes."""
+    """Whether `rows` fit in one datagram: at most `V1_ROWS` rows when none carries an
+    adapter (version 1), else at most `MAX_DATAGRAM` bytes (version 2)."""
+    if not any(row.adapters for row in rows):
+        return len(rows) <= V1_ROWS
     return sum(row.size() for row in rows) <= ROOM
 
 
@@ -108,23 +115,26 @@ class PeerMessage:
 def encode(
     secret: bytes, sender: int, seq: int, rows: Sequence[PeerRow], group: int | None = None
 ) -> bytes:
-    """One datagram of `rows` that `fits` (negative counts are sent as 0, a row's adapters
-    beyond `MAX_ADAPTERS` not at all); `group` defaults to `sender`."""
+    """One datagram of `rows` that `fits`, version 1 when no row carries an adapter
+    (negative counts are sent as 0, a row's adapters beyond `MAX_ADAPTERS` not at all);
+    `group` defaults to `sender`."""
     if not fits(rows):
         raise ValueError(f"{len(rows)} rows do not fit in one datagram of {MAX_DATAGRAM} bytes")
     group = sender if group is None else group
-    parts = [_HEADER.pack(MAGIC, VERSION, sender, group, seq, len(rows))]
+    version = VERSION if any(row.adapters for row in rows) else 1
+    parts = [_HEADER.pack(MAGIC, version, sender, group, seq, len(rows))]
     for row in rows:
-        adapters = row.adapters[:MAX_ADAPTERS]
-        parts.append(
-            _ROW.pack(
-                row.key,
-                min(max(0, row.in_flight), 2**32 - 1),
-                min(max(0, row.routed_tokens), MAX_COUNT),
-                min(max(0, row.routed_kv_tokens), MAX_COUNT),
-                len(adapters),
-            )
+        counts = (
+            row.key,
+            min(max(0, row.in_flight), 2**32 - 1),
+            min(max(0, row.routed_tokens), MAX_COUNT),
+            min(max(0, row.routed_kv_tokens), MAX_COUNT),
         )
+        if version == 1:
+            parts.append(_ROW_V1.pack(*counts))
+            continue
+        adapters = row.adapters[:MAX_ADAPTERS]
+        parts.append(_ROW.pack(*counts, len(adapters)))
         parts += [_ADAPTER.pack(key) for key in adapters]
     body = b"".join(parts)
     return body + hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]

@@ -50,6 +50,7 @@ from sal_gateway.peer_wire import (
     MAX_ADAPTERS,
     MIN_SECRET_BYTES,
     ROOM,
+    V1_ROWS,
     PeerRow,
     PeerWireError,
     decode,
@@ -367,14 +368,18 @@ def _datagrams(rows: list[PeerRow]) -> list[list[PeerRow]]:
     """`rows` split, in order, into as few datagrams as `fits` allows (one empty datagram
     when there are none: the heartbeat's announcement)."""
     batches: list[list[PeerRow]] = [[]]
-    used = 0
+    used = 0  # version 2 bytes of the last batch
+    adapters = False  # whether a row of the last batch carries adapters
     for row in rows:
         size = row.size()
-        if batches[-1] and used + size > ROOM:
+        with_adapters = adapters or bool(row.adapters)
+        full = used + size > ROOM if with_adapters else len(batches[-1]) >= V1_ROWS
+        if batches[-1] and full:
             batches.append([])
-            used = 0
+            used, with_adapters = 0, bool(row.adapters)
         batches[-1].append(row)
         used += size
+        adapters = with_adapters
     return batches
 
 

@@ -38,7 +38,10 @@ SECRET = b"0123456789abcdef-shared"
 def test_a_datagram_round_trips_and_stays_under_one_ethernet_frame() -> None:
     rows = [PeerRow(k + 1, k, 1000 * k, 2000 * k) for k in range(MAX_ROWS)]
     data = encode(SECRET, 42, 7, rows)
-    assert len(data) <= MAX_DATAGRAM <= 1500 - 40 - 8  # IPv6 and UDP headers
+    # Without adapters: version 1, at most 1,394 bytes, as the release before adapters sent
+    # and accepted it (gateways of both releases hear each other during an upgrade).
+    assert (data[4], len(data)) == (1, 1394)
+    assert MAX_DATAGRAM <= 1500 - 40 - 8  # IPv6 and UDP headers
     message = decode(SECRET, data)
     assert (message.sender, message.seq, list(message.rows)) == (42, 7, rows)
     with pytest.raises(ValueError, match="rows"):
@@ -51,7 +54,9 @@ def test_pending_adapters_round_trip_and_a_row_carries_at_most_max_adapters() ->
         PeerRow(2, 0, 0, 0),
         PeerRow(3, 9, 900, 900, tuple(range(100, 100 + MAX_ADAPTERS + 4))),
     ]
-    decoded = decode(SECRET, encode(SECRET, 42, 7, rows)).rows
+    data = encode(SECRET, 42, 7, rows)
+    assert data[4] == 2  # version 2: rows carry adapters
+    decoded = decode(SECRET, data).rows
     assert decoded[:2] == tuple(rows[:2])
     assert decoded[2].adapters == tuple(range(100, 100 + MAX_ADAPTERS))
     full = [PeerRow(k + 1, 1, 1, 1, tuple(range(MAX_ADAPTERS))) for k in range(15)]
@@ -281,6 +286,20 @@ async def test_without_share_adapters_only_the_counts_go_out() -> None:
         await _until(lambda: b_slot.others() == (2, 600, 600), 0.5)
         assert b_slot.other_adapters() == frozenset()
         assert b.other_adapters(backend_key("m", "http://r1:8000")) == frozenset()  # not sent
+
+
+async def test_many_backends_without_adapters_go_out_in_version_1_datagrams() -> None:
+    clock = [0.0]
+    pair = _Pair(clock, share_adapters=True)  # on, but no adapter pending: version 1
+    async with pair as (a, b):
+        sent: list[tuple[int, int]] = []
+        a._on_sent = lambda n, errors: sent.append((n, errors))
+        for i in range(100):
+            a.slot("m", f"http://r{i}:8000").publish(i + 1, 0, 0)
+        keys = [backend_key("m", f"http://r{i}:8000") for i in range(100)]
+        await _until(lambda: all(b.others(k)[0] == i + 1 for i, k in enumerate(keys)), 1.0)
+        assert sent[0] == (3 * 2, 0)  # 48 + 48 + 4 rows, to each of the 2 addresses
+        assert pair.results[1]["malformed"] == 0
 
 
 async def test_many_backends_with_adapters_go_out_in_datagrams_that_fit() -> None:
