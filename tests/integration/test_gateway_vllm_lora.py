@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -282,6 +282,21 @@ def _gateway_sees_held(url: str, replica: str) -> bool:
     return metric(samples, "sal_backend_lora_slots_used", model=MODEL, backend=replica) == 1
 
 
+def _slot_held(url: str, replicas: list[str], adapter: str, run: Future[float]) -> str:
+    """The replica whose ``/stats`` shows `adapter` alone running, once the gateway at `url`
+    sees that replica's slot held too (within 30 s, while `run` is still going)."""
+    deadline = time.monotonic() + 30
+    holder = None
+    while holder is None:
+        assert time.monotonic() < deadline, f"no replica's /stats showed {adapter} running"
+        assert not run.done(), f"{adapter} finished before any /stats showed it running"
+        holder = next((r for r in replicas if _lora_running(r) == [adapter]), None)
+    while not _gateway_sees_held(url, holder):  # the premise, as the gateway sees it
+        assert time.monotonic() < deadline, f"the gateway never saw {adapter}'s slot held"
+        assert not run.done(), f"{adapter} finished before the gateway saw its slot held"
+    return holder
+
+
 def _lora_running(replica: str) -> list[str]:
     # A replica busy relaying a long answer can take seconds to serve /stats on 2 cores.
     stats = httpx.get(f"{replica}/stats", timeout=30).json()
@@ -308,15 +323,7 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
         with ThreadPoolExecutor(2) as pool:
             # Eight choices of ~2k tokens: seconds of engine time.
             d = pool.submit(_completed_at, url, "lora-d", long_tokens, 8)
-            deadline = time.monotonic() + 30
-            holder = None
-            while holder is None:
-                assert time.monotonic() < deadline, "no replica's /stats showed lora-d running"
-                assert not d.done(), "lora-d finished before any /stats showed it running"
-                holder = next((r for r in replicas if _lora_running(r) == ["lora-d"]), None)
-            while not _gateway_sees_held(url, holder):  # the premise, as the gateway sees it
-                assert time.monotonic() < deadline, "the gateway never saw lora-d's slot held"
-                assert not d.done(), "lora-d finished before the gateway saw its slot held"
+            holder = _slot_held(url, replicas, "lora-d", d)
             base = pool.submit(_completed_at, url, MODEL, long_tokens, 8)
             time.sleep(0.3)  # the base request is routed (SAL: the replica with fewer in flight)
             steered_before, routed_before = counters()
@@ -332,7 +339,6 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
     # On a busy box lora-d's engine run can end before lora-e is sent (lora-e may then go
     # anywhere): the assertions need a try where it did not; a few tries at most.
     assert held, f"lora-d's engine run always ended before lora-e was sent: {seen}"
-    assert holder is not None
     # lora-e went to the replica whose slot was free, and was answered while lora-d still
     # ran on the other.
     assert e_went_to[replicas.index(holder)] == 0, seen
@@ -358,15 +364,7 @@ def test_an_adapter_joins_the_replica_already_running_it(
     for _ in range(3):
         with ThreadPoolExecutor(1) as pool:
             f = pool.submit(_completed_at, url, "lora-f", MAX_MODEL_LEN - 64, 8)
-            deadline = time.monotonic() + 30
-            holder = None
-            while holder is None:
-                assert time.monotonic() < deadline, "no replica's /stats showed lora-f running"
-                assert not f.done(), "lora-f finished before any /stats showed it running"
-                holder = next((r for r in replicas if _lora_running(r) == ["lora-f"]), None)
-            while not _gateway_sees_held(url, holder):  # the premise, as the gateway sees it
-                assert time.monotonic() < deadline, "the gateway never saw lora-f's slot held"
-                assert not f.done(), "lora-f finished before the gateway saw its slot held"
+            holder = _slot_held(url, replicas, "lora-f", f)
             kept_before, routed_before = counters()
             held = _lora_running(holder) == ["lora-f"]
             _completed_at(url, "lora-f", 1)
@@ -377,7 +375,6 @@ def test_an_adapter_joins_the_replica_already_running_it(
         if held:
             break
     assert held, f"lora-f's engine run always ended before the next request: {seen}"
-    assert holder is not None
     assert went_to[replicas.index(holder)] == 1, seen
     assert kept_after == kept_before + 1, seen
 
