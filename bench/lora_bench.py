@@ -15,8 +15,9 @@ Zipf-popular adapter per request (`engine_sim.adapters.with_adapters`: `ADAPTERS
 exponent `ZIPF_S`) and replayed through 8 Llama-3-8B replicas on A100-40GB running stock
 vLLM's FCFS order with ``--max-loras`` `MAX_LORAS`, at `LOAD_FRACTIONS` of the load at which
 p2c+fcfs nears its capacity without adapters (`bench.gateways.LOADS`), by round robin, p2c,
-least requests and SAL, each blind to LoRA slots, with the free-slot filter only, and with
-the gateway's rule (free slots, then the replicas already running the adapter), on 8
+least requests and SAL, each blind to LoRA slots, with the free-slot filter only, with that
+filter and then the replicas already running the adapter, and with the gateway's rule (which
+adds, when every slot is held, the replicas with the fewest requests in flight), on 8
 windows. Then each router with the gateway's rule as `WORKERS` workers of one host
 (``listen.workers``) sharing their accounting, with and without the adapters each routed
 since its last poll, and as `WORKERS` gateways on separate hosts (``peers``; `SETUPS`).
@@ -48,10 +49,12 @@ MAX_LORAS = (4, 8)
 """``--max-loras`` values (vLLM's default is 1: with 32 adapters on 8 replicas every
 router then queues for minutes; deployments serving many adapters raise it)."""
 LOAD_FRACTIONS = (0.5, 1.0)
-LORA_ROUTING = ("blind", "slots", "affinity")
+LORA_ROUTING = ("blind", "slots", "no_full", "affinity")
 """How each router treats LoRA slots: not at all; only the free-slot filter
-(`sal_core.lora_slots.prefer_free_slots`); the gateway's rule, which also prefers replicas
-already running the adapter (`sal_core.lora_slots.lora_route`)."""
+(`sal_core.lora_slots.prefer_free_slots`); that filter, then the replicas already running the
+adapter (`sal_core.lora_slots.prefer_running_adapter`); the gateway's rule, which adds, when
+every replica's slots are held, the replicas with the fewest requests in flight
+(`sal_core.lora_slots.fewest_in_flight`; all three: `sal_core.lora_slots.lora_route`)."""
 WORKERS = 4
 """Gateway workers of one host (``listen.workers``) in the several-workers runs."""
 SETUPS = ("one", "workers", "workers_apart", "peers", "peers_apart")
@@ -121,7 +124,8 @@ def _cell(task: tuple[str, int, Plan, Path]) -> list[Row]:
                 config = RouterConfig(
                     seed=index,
                     lora_slots=lora != "blind",
-                    lora_affinity=lora == "affinity",
+                    lora_affinity=lora in ("no_full", "affinity"),
+                    lora_when_full=lora == "affinity",
                     **workers,
                 )
                 result = run_stack(

@@ -167,6 +167,10 @@ class RouterConfig:
     lora_affinity: bool = True
     """With `lora_slots`: prefer the replicas already running the adapter (the gateway's
     rule). False: only the free-slot filter (a what-if: the gateway always prefers them)."""
+    lora_when_full: bool = True
+    """With `lora_slots`: when every replica's slots are held, the replicas with the fewest
+    requests in flight (`sal_core.lora_slots.fewest_in_flight`, the gateway's rule). False:
+    the policy chooses among all of them (the rule before it)."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -600,7 +604,7 @@ class Simulation:
                         holders.add(u)
                 elif not can_start(req.adapter, v.snapshot.max_loras, occupied):
                     blocked.add(u)
-            backends, _ = lora_route(backends, blocked, holders)
+            backends, _ = lora_route(backends, blocked, holders, when_full=cfg.lora_when_full)
         decision = self._policies[gateway].select(
             RouteRequest(
                 req.prompt_tokens,

@@ -342,9 +342,9 @@ class PeersConfig:
     share_adapters: bool = False
     """Also tell (and hear) the LoRA adapters of the requests routed since the last poll,
     which hold the replicas' ``--max-loras`` slots (`sal_core.lora_slots`). Off by default:
-    in the simulator, with 1 ms between gateways, it raised SAL's p95 TTFT in most windows
-    where slots were scarce (a tie by the spread; README, "LoRA fleets"). The workers of one
-    host always share them."""
+    in the simulator, with 1 ms between gateways, it ties, has not shown a win, and in one
+    version of the rule raised SAL's p95 TTFT in most windows where slots were scarce
+    (README, "LoRA fleets"). The workers of one host always share them."""
 
     @property
     def enabled(self) -> bool:

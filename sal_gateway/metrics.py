@@ -148,7 +148,8 @@ class GatewayMetrics:
             "LoRA adapter requests whose route the replicas' LoRA slots (--max-loras) decided: "
             "affinity (sent where the adapter already runs, past replicas with a free slot), "
             "steered (sent past replicas whose slots other adapters held) or no_free_slot "
-            "(every candidate's slots were held: the request waits for one wherever it goes)",
+            "(every candidate's slots were held: the request waits for one wherever it goes; "
+            "sent where the fewest requests are in flight)",
             ["model", "outcome"],
             registry=r,
         )

@@ -11,6 +11,7 @@ slot full everywhere, requests refused instead of queued. The replicas' slots co
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import httpx
@@ -103,6 +104,57 @@ def test_with_every_slot_full_the_request_is_still_routed(tiny_model_dir: Path) 
         assert _sent(rig, 0, "lora-b") + _sent(rig, 1, "lora-b") == 4
         assert _slot_decisions(rig, "no_free_slot") == 4
         assert _slot_decisions(rig, "steered") == 0
+
+
+def test_with_every_slot_full_the_request_goes_where_fewest_requests_run(
+    tiny_model_dir: Path,
+) -> None:
+    # Both replicas' only slot is lora-a's; a also runs two long base-model streams, b has
+    # a short queue. A lora-b request waits for a slot wherever it goes, and one frees
+    # sooner where fewer requests run: b. SAL alone would take a (the shorter queue).
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=RELAXED, extra=QUICK_MODELS) as rig:
+        b = rig.fakes[1]
+        for fake in rig.fakes:
+            fake.behaviour = FakeBehaviour(chunk_delay_s=0.2)
+        b.stats = dataclasses.replace(default_stats(), queued_prefill_tokens=100_000)
+        wait_until(lambda: _queued(rig) == [0, 100_000])
+        gone = threading.Event()
+        started: list[str] = []
+
+        def hold() -> None:
+            body = {"model": MODEL, "prompt": "long", "max_tokens": 1000, "stream": True}
+            with httpx.stream("POST", f"{rig.url}/v1/completions", json=body, timeout=60) as r:
+                started.append(r.headers.get("x-fake-backend", "?"))
+                for _ in r.iter_lines():
+                    if gone.is_set():
+                        return
+
+        threads = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+        try:
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: len(started) == 2)
+            assert started == ["a", "a"]  # b looked busy
+            running = [("lora-a",), ("lora-a",)]
+            _slots(rig, running)
+            b.stats = dataclasses.replace(b.stats, queued_prefill_tokens=500)
+            wait_until(lambda: _seen_by_gateway(rig, running) and _queued(rig) == [0, 500])
+            for _ in range(3):
+                assert _ask(rig, "lora-b").status_code == 200
+            assert (_sent(rig, 0, "lora-b"), _sent(rig, 1, "lora-b")) == (0, 3)
+            assert _slot_decisions(rig, "no_free_slot") == 3
+        finally:
+            gone.set()
+            for thread in threads:
+                thread.join(timeout=30)
+
+
+def _queued(rig: Rig) -> list[int | None]:
+    """The queued prefill tokens of each backend's last poll, as the gateway saw them."""
+    return [
+        None if b.stats is None else b.stats.queued_prefill_tokens
+        for b in rig.runtime.table.backends(MODEL)
+    ]
 
 
 def test_stock_vllm_slots_come_from_its_lora_requests_info(tiny_model_dir: Path) -> None:

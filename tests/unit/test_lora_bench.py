@@ -46,22 +46,33 @@ def test_the_report_pairs_windows_and_takes_the_best_baseline_per_window() -> No
             rows.append(_row(router, "affinity", window, 1.0))
         rows.append(_row("sal", "blind", window, 3.0))
         rows.append(_row("sal", "slots", window, 1.0))
+        rows.append(_row("sal", "no_full", window, 0.75))
         rows.append(_row("sal", "affinity", window, 0.5))
     cells = headline(rows, ("chat", 0.5, 4))
     # Round robin is the best blind baseline in every window: 4, 5, 6 s against 0.5 s.
     assert cells["best baseline blind to LoRA slots"]["TTFT p95"] == "10x [8–12] win"
     assert cells["best baseline with the same rule"]["TTFT p95"] == "2x win"
     assert cells["SAL with the free-slot filter only"]["TTFT p50"] == "1x tie"
+    assert cells["SAL without the all-full step (fewest in flight)"]["TTFT p95"] == "1.5x win"
     text = render(rows, META)
     assert "## chat, load 0.5 x, --max-loras 4" in text
-    assert "| sal | + gateway rule (free slot, then affinity) | 0.1 | 0.5 | 1 | 5 |" in text
+    rule = "+ gateway rule (free slot, then affinity; all full: fewest in flight)"
+    assert f"| sal | {rule} | 0.1 | 0.5 | 1 | 5 |" in text
+    # A comparison the run left out (SAL without its no_full rows) reads "—".
+    partial = [r for r in rows if not (r["router"] == "sal" and r["lora"] == "no_full")]
+    assert (
+        headline(partial, ("chat", 0.5, 4))["SAL without the all-full step (fewest in flight)"][
+            "TTFT p95"
+        ]
+        == "—"
+    )
 
 
 def test_the_workers_section_pairs_shared_adapters_with_apart_and_one_gateway() -> None:
     rows = []
     for window in range(3):
         for router in ("round_robin", "p2c", "least_requests", "sal"):
-            for lora in ("blind", "slots", "affinity"):
+            for lora in ("blind", "slots", "no_full", "affinity"):
                 rows.append({**_row(router, lora, window, 1.0), "setup": "one"})
         for setup, p95 in (
             ("workers", 1.0 + window / 100),
@@ -83,7 +94,8 @@ def test_the_workers_section_pairs_shared_adapters_with_apart_and_one_gateway() 
     assert "| sal | 4 workers, adapters not shared | 0.1 | 2 | 4 | 5 |" in text
     assert "| sal | 1.98x [1.96–2] win |" in text
     # The single-gateway tables never mix in the workers' runs.
-    assert "| sal | + gateway rule (free slot, then affinity) | 0.1 | 1 | 2 | 5 |" in text
+    rule = "+ gateway rule (free slot, then affinity; all full: fewest in flight)"
+    assert f"| sal | {rule} | 0.1 | 1 | 2 | 5 |" in text
 
 
 def test_a_missing_trace_is_refused_with_its_path(
@@ -107,7 +119,7 @@ def test_the_quick_command_shows_what_lora_slots_are_worth(
     rows = json.loads((tmp_path / "lora.json").read_text())["rows"]
     # windows x routers x (LoRA routing of one gateway + workers and gateways with peers,
     # sharing adapters or not)
-    assert len(rows) == 2 * 2 * (3 + 4)
+    assert len(rows) == 2 * 2 * (4 + 4)
     p95 = {
         (r["router"], r["lora"], r["window"]): r["ttft_p95_s"] for r in rows if r["setup"] == "one"
     }

@@ -14,8 +14,8 @@ from sal_gateway.vllm_metrics import parse_vllm_metrics
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 
-def _view(url: str, eligible: bool = True, queued: int = 0) -> BackendView:
-    return BackendView(url, eligible, 0, 1000, queued, 2048)
+def _view(url: str, eligible: bool = True, queued: int = 0, in_flight: int = 0) -> BackendView:
+    return BackendView(url, eligible, in_flight, 1000, queued, 2048)
 
 
 def test_an_adapter_starts_where_it_runs_or_a_slot_is_free() -> None:
@@ -65,8 +65,16 @@ def test_lora_route_says_what_decided_the_candidates() -> None:
     # B, the holder, is the only replica left after the slot filter: that is all "steered".
     narrowed, outcome = lora_route(views[:2], blocked={A}, holders={B})
     assert ([v.eligible for v in narrowed], outcome) == ([False, True], "steered")
+    # Every slot held everywhere: the request waits for one wherever it goes, and a slot
+    # frees sooner where fewer requests run: the fewest in flight (the policy picks among
+    # equals); without that step, the policy weighs all of them.
+    views = [_view(A, in_flight=5), _view(B, in_flight=2), _view(C, in_flight=2)]
     narrowed, outcome = lora_route(views, blocked={A, B, C}, holders=set())
-    assert (narrowed, outcome) == (views, "no_free_slot")
+    assert ([v.eligible for v in narrowed], outcome) == ([False, True, True], "no_free_slot")
+    assert lora_route(views, {A, B, C}, set(), when_full=False) == (views, "no_free_slot")
+    # Only when every one is full: with a free slot somewhere the counts do not matter.
+    narrowed, outcome = lora_route(views, blocked={B, C}, holders=set())
+    assert ([v.eligible for v in narrowed], outcome) == ([True, False, False], "steered")
     assert lora_route(views, blocked=set(), holders=set()) == (views, None)
 
 
