@@ -10,10 +10,11 @@ number of windows that met them, tuning and held-out windows apart.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from sal_core.percentile import percentile
 
 Row = dict[str, Any]
 Key = tuple[str, int, float]
@@ -57,7 +58,7 @@ def _spread(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     vals = [v for v in values if math.isfinite(v)]
     if not vals:
         return "n/a"
-    med = statistics.median(vals)
+    med = percentile(vals, 50)
     if len(vals) == 1:
         return fmt.format(med)
     return f"{fmt.format(med)} ({fmt.format(min(vals))}-{fmt.format(max(vals))})"
@@ -323,7 +324,7 @@ def plot(rows: Sequence[Row], meta: dict[str, Any], path: Path) -> None:
                     ]
                     if vals:
                         xs.append(load)
-                        meds.append(statistics.median(vals))
+                        meds.append(percentile(vals, 50))
                         los.append(min(vals))
                         his.append(max(vals))
                 if xs:

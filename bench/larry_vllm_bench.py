@@ -228,7 +228,7 @@ def _spread(values: Sequence[float]) -> str:
     vals = [v for v in values if v == v]
     if not vals:
         return "n/a"
-    med = statistics.median(vals)
+    med = percentile(vals, 50)
     if len(vals) == 1:
         return f"{med:.3g}"
     return f"{med:.3g} ({min(vals):.3g}-{max(vals):.3g})"

@@ -301,7 +301,7 @@ def _start_replicas(args: argparse.Namespace, workdir: Path) -> tuple[list[Any],
 def _median_range(values: Sequence[float], fmt: str = "{:.3f}") -> str:
     if not values:
         return "—"
-    low, mid, high = (fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+    low, mid, high = (fmt.format(v) for v in (min(values), percentile(values, 50), max(values)))
     return f"{mid} ({low}–{high})"
 
 

@@ -1,15 +1,22 @@
 """``prefix.md`` from the rows `bench.prefix_bench` measured (pure apart from the write).
 
-Headline numbers are medians over the seeds / trace windows with their min-max spread; a
-ratio whose two spreads overlap is called a tie. Every measured row is printed.
+Cells are medians over the seeds / trace windows with their min-max spread. Every comparison
+of two routers is **paired** (`bench.spread`, as every other benchmark of this repository):
+the per-seed ratios of the same seed / window run by both, reported as their median [min-max]
+with the seeds on which the first router was better. A gain aim is met on every seed when the
+smallest ratio reaches it, met on the median when the median does; a "no worse" aim fails only
+on a loss (every seed worse by more than `bench.spread.TIE_TOLERANCE`). Every measured row is
+printed.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.spread import Spread, verdict
+from bench.spread import spread as spread_of
 
 Row = dict[str, Any]
 
@@ -30,8 +37,8 @@ RESERVE_ROUTERS = ("sal_reserve_0.5", "sal_reserve_1")
 
 def spread(rows: Sequence[Row], key: str) -> tuple[float, float, float]:
     """(median, min, max) of `key` over `rows`."""
-    values = [float(r[key]) for r in rows]
-    return statistics.median(values), min(values), max(values)
+    s = spread_of([float(r[key]) for r in rows])
+    return s.median, s.low, s.high
 
 
 def _cell(rows: Sequence[Row], key: str, fmt: str) -> str:
@@ -65,16 +72,10 @@ def grid_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def ratio(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> tuple[float, bool]:
-    """Median of `key` for router `b` over router `a` (> 1: `a` is better), and whether
-    their spreads overlap (a tie)."""
-    ra, rb = _group(rows, a, engine), _group(rows, b, engine)
-    if not ra or not rb:
-        return float("nan"), True
-    ma, la, ha = spread(ra, key)
-    mb, lb, hb = spread(rb, key)
-    tie = not (ha < lb or hb < la)
-    return (mb / ma if ma > 0 else float("inf")), tie
+def ratio(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> Spread:
+    """Paired: router `b`'s `key` over router `a`'s on each seed / window both ran, as
+    median [min-max] (> 1: `a` is better; `bench.spread.verdict` says win, loss or tie)."""
+    return spread_of(paired_ratios(rows, a, b, engine, key))
 
 
 def _overlap(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> bool:
@@ -89,11 +90,13 @@ def best_baseline(rows: Sequence[Row], engine: str) -> str:
     return min(present, key=lambda b: spread(_group(rows, b, engine), "ttft_p50_s")[0])
 
 
-def _verdict(ok: bool, tie: bool = False) -> str:
-    """A gain aim (`ok`: the median reached the target): a tie does not reach it."""
-    if tie:
-        return "tie (not met)"
-    return "met" if ok else "not met"
+def _gain(r: Spread, target: float) -> str:
+    """A gain aim of `target` x over the paired ratios `r`."""
+    if r.n and r.low >= target:
+        return "met (every seed)"
+    if r.n and r.median >= target:
+        return "met on the median, not on every seed"
+    return "not met"
 
 
 def paired_ratios(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> list[float]:
@@ -104,23 +107,27 @@ def paired_ratios(rows: Sequence[Row], a: str, b: str, engine: str, key: str) ->
 
 
 def paired(rows: Sequence[Row], a: str, b: str, engine: str, key: str) -> str:
-    """`paired_ratios` as " (per seed lo-hi x, `a` better on k of n)" ("" with fewer than
-    two seeds)."""
+    """The paired ratios as ``1.27x [1.25-1.62], better on 3 of 3 (win)``: their median
+    and spread, on how many seeds `a` was better, and the verdict (a single seed: the ratio
+    alone)."""
     ratios = paired_ratios(rows, a, b, engine, key)
-    if len(ratios) < 2:
-        return ""
-    wins = sum(r > 1.0 for r in ratios)
-    return f" (per seed {min(ratios):.2f}-{max(ratios):.2f}x, better on {wins} of {len(ratios)})"
+    r = spread_of(ratios)
+    if r.n == 0:
+        return "n/a"
+    if r.n == 1:
+        return f"{r.median:.2f}x (one seed)"
+    wins = sum(x > 1.0 for x in ratios)
+    return f"{r.median:.2f}x [{r.low:.2f}-{r.high:.2f}], better on {wins} of {r.n} ({verdict(r)})"
 
 
-def _no_worse(ratio_value: float, tie: bool, per_seed: Sequence[float] = ()) -> str:
-    """A "no worse / no regression" aim: a tie within the spread satisfies it, unless
-    SAL was worse on every seed (a paired loss)."""
-    if ratio_value >= 1.0:
-        return "met"
-    if len(per_seed) >= 2 and max(per_seed) < 1.0:
+def _no_worse(r: Spread) -> str:
+    """A "no worse / no regression" aim over the paired ratios `r` (> 1: SAL better): a tie
+    satisfies it; a loss (worse on every seed beyond the tolerance) does not."""
+    if r.n == 0:
+        return "n/a"
+    if verdict(r) == "loss":
         return "not met (worse on every seed)"
-    return "met (tie within spread)" if tie else "not met"
+    return "met" if r.median >= 1.0 else "met (tie within spread)"
 
 
 Aim = tuple[str, str, str, str]
@@ -140,67 +147,61 @@ def ceiling(rows: Sequence[Row], bound: Sequence[Row], router: str, engine: str)
 def _grid_aims(
     tag: str, regime: str, rows: Sequence[Row], engine: str, bound: Sequence[Row] = ()
 ) -> list[Aim]:
-    r_paper, tie_paper = ratio(rows, "sal", "sal_paper", engine, "ttft_p50_s")
     base = best_baseline(rows, engine)
-    r_base, tie_base = ratio(rows, "sal", base, engine, "ttft_p50_s")
-    room = ceiling(rows, bound, base, engine)
+    room = spread_of(ceiling(rows, bound, base, engine))
     room_text = (
-        f"; no router could exceed {statistics.median(room):.2f}x "
-        f"({min(room):.2f}-{max(room):.2f}x, the TTFT bound)"
-        if room
+        f"; no router could exceed {room.median:.2f}x "
+        f"({room.low:.2f}-{room.high:.2f}x, the TTFT bound)"
+        if room.n
         else ""
     )
-    p99_paper, tie99_paper = ratio(rows, "sal", "sal_paper", engine, "ttft_p99_s")
-    p99_base, tie99_base = ratio(rows, "sal", base, engine, "ttft_p99_s")
     pre = {
         r: spread(_group(rows, r, engine), "preemptions_per_100")[0]
         for r in ("sal", "sal_paper", base)
     }
+
+    def _p(other: str, key: str) -> str:
+        return paired(rows, "sal", other, engine, key)
+
+    def _r(other: str, key: str) -> Spread:
+        return ratio(rows, "sal", other, engine, key)
+
     out: list[Aim] = []
     if regime.startswith("reuse survives"):
         out += [
-            (tag, "p50 TTFT >= 1.5x lower than sal_paper",
-             f"{r_paper:.2f}x" + paired(rows, "sal", "sal_paper", engine, "ttft_p50_s"),
-             _verdict(r_paper >= 1.5, tie_paper)),
+            (tag, "p50 TTFT >= 1.5x lower than sal_paper", _p("sal_paper", "ttft_p50_s"),
+             _gain(_r("sal_paper", "ttft_p50_s"), 1.5)),
             (tag, f"p50 TTFT >= 1.2x lower than the best baseline ({base})",
-             f"{r_base:.2f}x" + paired(rows, "sal", base, engine, "ttft_p50_s") + room_text,
-             _verdict(r_base >= 1.2, tie_base)),
-            (tag, "p99 no worse than sal_paper", f"{p99_paper:.2f}x",
-             _no_worse(p99_paper, tie99_paper,
-                       paired_ratios(rows, "sal", "sal_paper", engine, "ttft_p99_s"))),
-            (tag, f"p99 no worse than the best baseline ({base})", f"{p99_base:.2f}x",
-             _no_worse(p99_base, tie99_base,
-                       paired_ratios(rows, "sal", base, engine, "ttft_p99_s"))),
+             _p(base, "ttft_p50_s") + room_text, _gain(_r(base, "ttft_p50_s"), 1.2)),
+            (tag, "p99 no worse than sal_paper", _p("sal_paper", "ttft_p99_s"),
+             _no_worse(_r("sal_paper", "ttft_p99_s"))),
+            (tag, f"p99 no worse than the best baseline ({base})", _p(base, "ttft_p99_s"),
+             _no_worse(_r(base, "ttft_p99_s"))),
         ]  # fmt: skip
         # "The best baseline" is chosen by p50; the one with the best tail may be another.
         worst = min(
             (b for b in BASELINES if _group(rows, b, engine)),
-            key=lambda b: ratio(rows, "sal", b, engine, "ttft_p99_s")[0],
+            key=lambda b: _r(b, "ttft_p99_s").median,
         )
         if worst != base:
-            p99_worst, tie99_worst = ratio(rows, "sal", worst, engine, "ttft_p99_s")
             out.append(
                 (tag, f"p99 no worse than any prefix-aware baseline (worst: {worst})",
-                 f"{p99_worst:.2f}x" + paired(rows, "sal", worst, engine, "ttft_p99_s"),
-                 _no_worse(p99_worst, tie99_worst,
-                           paired_ratios(rows, "sal", worst, engine, "ttft_p99_s")))
+                 _p(worst, "ttft_p99_s"), _no_worse(_r(worst, "ttft_p99_s")))
             )  # fmt: skip
     else:
-        p95, tie95 = ratio(rows, "sal", "sal_paper", engine, "ttft_p95_s")
+        p95 = _r("sal_paper", "ttft_p95_s")
         out += [
-            (tag, "no p50 regression vs sal_paper",
-             f"{r_paper:.2f}x" + paired(rows, "sal", "sal_paper", engine, "ttft_p50_s"),
-             _no_worse(r_paper, tie_paper,
-                       paired_ratios(rows, "sal", "sal_paper", engine, "ttft_p50_s"))),
-            (tag, "p95 gain vs sal_paper (reported)", f"{p95:.2f}x",
-             "tie" if tie95 else "reported"),
+            (tag, "no p50 regression vs sal_paper", _p("sal_paper", "ttft_p50_s"),
+             _no_worse(_r("sal_paper", "ttft_p50_s"))),
+            (tag, "p95 gain vs sal_paper (reported)", _p("sal_paper", "ttft_p95_s"),
+             "tie" if verdict(p95) == "tie" else "reported"),
         ]  # fmt: skip
     worse = [r for r in ("sal_paper", base) if pre["sal"] > pre[r] + 1e-9]
     within = all(_overlap(rows, "sal", r, engine, "preemptions_per_100") for r in worse)
-    verdict = "met" if not worse else ("met (tie within spread)" if within else "not met")
+    verdict_text = "met" if not worse else ("met (tie within spread)" if within else "not met")
     out.append((tag, "preemptions no worse than sal_paper / the best baseline",
                 f"{pre['sal']:.2f} vs {pre['sal_paper']:.2f} / {pre[base]:.2f}",
-                verdict))  # fmt: skip
+                verdict_text))  # fmt: skip
     return out
 
 
@@ -219,18 +220,19 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
     if hot:
         share, lo, hi = spread(_group(hot, "sal", "fcfs"), "busiest_share")
         affinity = spread(_group(hot, "prefix_affinity", "fcfs"), "busiest_share")[0]
-        p99, tie = ratio(hot, "sal", "sal_paper", "fcfs", "ttft_p99_s")
+        hot_p99 = ratio(hot, "sal", "sal_paper", "fcfs", "ttft_p99_s")
         out.append(
             (
                 "hot-prefix",
                 "SAL spreads a hot prefix one replica cannot take "
                 "(busiest share below prefix_affinity's)",
                 f"{share:.2f} ({lo:.2f}-{hi:.2f}) vs {affinity:.2f}",
-                _verdict(hi < affinity),
+                "met" if hi < affinity else "not met",
             )
         )
         out.append(("hot-prefix", "and its p99 TTFT is no worse than the prefix-blind "
-                    "sal_paper's", f"{p99:.2f}x", _no_worse(p99, tie)))  # fmt: skip
+                    "sal_paper's", paired(hot, "sal", "sal_paper", "fcfs", "ttft_p99_s"),
+                    _no_worse(hot_p99)))  # fmt: skip
     credit = doc["results"].get("credit-all")
     if credit:
         for name in sorted({r["scenario"] for r in credit}):
@@ -239,22 +241,20 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
             naive = spread(_group(rows, "sal_credit_all", "fcfs"), "preemptions_per_100")[0]
             paper = spread(_group(rows, "sal_paper", "fcfs"), "preemptions_per_100")[0]
             tie = _overlap(rows, "sal", "sal_paper", "fcfs", "preemptions_per_100")
-            verdict = (
+            held = (
                 "met" if ours <= paper + 1e-9 else ("met (tie within spread)" if tie else "not met")
             )
             out.append((f"{name} / fcfs", "memory term credits held blocks only: preemptions "
                         "no worse than sal_paper (what-if crediting every cached token beside)",
                         f"{ours:.2f} vs sal_paper {paper:.2f} (credit-all {naive:.2f})",
-                        verdict))  # fmt: skip
+                        held))  # fmt: skip
     memory = doc["results"].get("paper-memory")
     if memory:
         for name in dict.fromkeys(r["scenario"] for r in memory):
             rows = [r for r in memory if r["scenario"] == name]
             cells = []
             for key, label in (("ttft_p50_s", "p50"), ("ttft_p95_s", "p95"), ("ttft_p99_s", "p99")):
-                value, _ = ratio(rows, "sal", "sal_paper_memory", "fcfs", key)
-                cells.append(f"{label} {value:.2f}x" + paired(rows, "sal", "sal_paper_memory",
-                                                              "fcfs", key))  # fmt: skip
+                cells.append(f"{label} " + paired(rows, "sal", "sal_paper_memory", "fcfs", key))
             out.append((f"{name} / fcfs", "memory term in steps vs the paper's beta * shortfall "
                         "(what-if: sal before the change; > 1: the change is better)",
                         "; ".join(cells), "reported"))  # fmt: skip
@@ -266,8 +266,8 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
             cells = [f"preemptions/100 {base:.2f}"]
             for what_if in RESERVE_ROUTERS:
                 preempt = spread(_group(rows, what_if, "fcfs"), "preemptions_per_100")[0]
-                p50, _ = ratio(rows, what_if, "sal", "fcfs", "ttft_p50_s")
-                p99, _ = ratio(rows, what_if, "sal", "fcfs", "ttft_p99_s")
+                p50 = ratio(rows, what_if, "sal", "fcfs", "ttft_p50_s").median
+                p99 = ratio(rows, what_if, "sal", "fcfs", "ttft_p99_s").median
                 cells.append(
                     f"{what_if.removeprefix('sal_reserve_')}: {preempt:.2f}, p50 {p50:.2f}x, "
                     f"p99 {p99:.2f}x"
@@ -280,7 +280,7 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
         same = azure[0]["replicas_of"] == azure[1]["replicas_of"]
         out.append(("azure-chat", "cache-aware SAL identical to SAL without a cache source "
                     "(no reuse)", "same replica for every request" if same
-                    else "decisions differ", _verdict(same)))  # fmt: skip
+                    else "decisions differ", "met" if same else "not met"))  # fmt: skip
     return out
 
 
@@ -316,8 +316,8 @@ def bound_table(doc: dict[str, Any]) -> list[str]:
         def _ratios(values: Sequence[float]) -> str:
             if not values:
                 return "—"
-            med = statistics.median(values)
-            return f"{med:.2f}x ({min(values):.2f}-{max(values):.2f}x)"
+            r = spread_of(values)
+            return f"{r.median:.2f}x ({r.low:.2f}-{r.high:.2f}x)"
 
         hit = (
             f"{spread(bound, 'max_hit_rate')[0]:.0%} / "
@@ -341,8 +341,11 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
         "vLLM's prefix caching on in every replica; prefix-aware routers (sal, "
         "prefix_affinity, llm_d, cache_aware) read the router's approximate index of the "
         "prompt blocks it routed, the others see no cache. Cells: median over the seeds / "
-        "trace windows each section names (min-max). Ratios > 1: cache-aware SAL is better; "
-        'overlapping spreads are a tie. Method and caveats: `docs/simulator.md`, "Prefix caching".',
+        "trace windows each section names (min-max). Comparisons are paired: the median "
+        "[min-max] of the per-seed ratios (> 1: cache-aware SAL is better), a tie unless every "
+        "seed agrees beyond 2 %; a gain aim is met on every seed when the smallest ratio "
+        "reaches it, on the median when the median does. Method and caveats: "
+        '`docs/simulator.md`, "Prefix caching".',
         "",
         "## Aims (issue 9)",
         "",

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sal_core.percentile import percentile
 from sal_gateway.config import TracingConfig
 from sal_gateway.request_body import Endpoint, InboundRequest
 from sal_gateway.tokenizer import PromptCount
@@ -128,8 +129,6 @@ def end_to_end(requests: int, block: int = 100) -> dict[str, float]:
     """Median latency (ms) of sequential non-streamed chat requests through two gateways in
     front of the same fake backend, tracing off and on, alternating in blocks of `block` so
     the machine's load drifts equally over both."""
-    import statistics
-
     import httpx
 
     from engine_sim.fake_vllm import FakeBackend, ServedApp, ServedBackend
@@ -158,7 +157,7 @@ def end_to_end(requests: int, block: int = 100) -> dict[str, float]:
         finally:
             for served in gateways.values():
                 served.stop()
-    return {label: statistics.median(values) for label, values in samples.items()}
+    return {label: percentile(values, 50) for label, values in samples.items()}
 
 
 def _wait_ready(client: Any, url: str) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.prefix_report import aims, ratio, write_report
+from bench.spread import verdict
 
 
 def _row(router: str, seed: int, p50: float, **extra: float) -> dict[str, Any]:
@@ -26,12 +27,26 @@ def _doc(rows: list[dict[str, Any]], regime: str) -> dict[str, Any]:
     return {"command": "cmd", "wall_s": 60.0, "scenarios": [scenario], "results": {"s": rows}}
 
 
-def test_overlapping_spreads_are_a_tie() -> None:
-    rows = [_row("sal", s, p) for s, p in enumerate((1.0, 1.2, 2.0))]
-    rows += [_row("sal_paper", s, p) for s, p in enumerate((1.9, 2.2, 2.5))]
-    value, tie = ratio(rows, "sal", "sal_paper", "fcfs", "ttft_p50_s")
-    assert value == 2.2 / 1.2
-    assert tie
+def test_comparisons_are_paired_per_seed_not_spreads_that_overlap() -> None:
+    # The windows differ a lot, so the two routers' spreads overlap, but the paper's SAL is
+    # 10 % slower on every window: a paired win, not a tie.
+    rows = [_row("sal", s, p) for s, p in enumerate((1.0, 2.0, 3.0))]
+    rows += [_row("sal_paper", s, 1.1 * p) for s, p in enumerate((1.0, 2.0, 3.0))]
+    r = ratio(rows, "sal", "sal_paper", "fcfs", "ttft_p50_s")
+    assert (round(r.median, 6), round(r.low, 6), round(r.high, 6), r.n) == (1.1, 1.1, 1.1, 3)
+    assert verdict(r) == "win"
+
+
+def test_the_headline_is_the_median_of_the_paired_ratios_not_a_ratio_of_medians() -> None:
+    # Per seed 1.25, 1.62, 1.27 (median 1.27); the medians' ratio would say 0.9 / 0.55 = 1.62.
+    rows = [_row("sal", s, p) for s, p in enumerate((0.246, 0.554, 1.486))]
+    rows += [_row("sal_paper", s, p) for s, p in enumerate((0.307, 0.898, 1.889))]
+    rows += [_row("llm_d", s, 5.0) for s in range(3)]
+    verdicts = {a: (m, v) for _, a, m, v in aims(_doc(rows, "reuse survives"))}
+    assert verdicts["p50 TTFT >= 1.5x lower than sal_paper"] == (
+        "1.27x [1.25-1.62], better on 3 of 3 (win)",
+        "not met",
+    )
 
 
 def test_aims_report_met_and_not_met_with_the_best_baseline_named(tmp_path: Path) -> None:
@@ -48,11 +63,11 @@ def test_aims_report_met_and_not_met_with_the_best_baseline_named(tmp_path: Path
         aim: (measured, verdict) for _, aim, measured, verdict in aims(_doc(rows, "reuse survives"))
     }
     assert verdicts["p50 TTFT >= 1.5x lower than sal_paper"] == (
-        "1.99x (per seed 1.98-2.00x, better on 3 of 3)",
-        "met",
+        "1.99x [1.98-2.00], better on 3 of 3 (win)",
+        "met (every seed)",
     )
     assert verdicts["p50 TTFT >= 1.2x lower than the best baseline (llm_d)"] == (
-        "1.10x (per seed 1.10-1.10x, better on 3 of 3)",
+        "1.10x [1.10-1.10], better on 3 of 3 (win)",
         "not met",
     )
     write_report(_doc(rows, "reuse survives"), tmp_path / "prefix.md")
@@ -86,9 +101,12 @@ def test_a_worse_tail_than_a_baseline_other_than_the_best_by_p50_is_its_own_aim(
             _row("cache_aware", seed, 1.5, ttft_p99_s=6.0 + seed),
         ]
     verdicts = {aim: (m, v) for _, aim, m, v in aims(_doc(rows, "reuse survives"))}
-    assert verdicts["p99 no worse than the best baseline (llm_d)"] == ("1.82x", "met")
+    assert verdicts["p99 no worse than the best baseline (llm_d)"] == (
+        "1.82x [1.67-2.00], better on 3 of 3 (win)",
+        "met",
+    )
     assert verdicts["p99 no worse than any prefix-aware baseline (worst: cache_aware)"] == (
-        "0.64x (per seed 0.60-0.67x, better on 0 of 3)",
+        "0.64x [0.60-0.67], better on 0 of 3 (loss)",
         "not met (worse on every seed)",
     )
 
@@ -132,9 +150,9 @@ def test_the_paper_memory_what_if_is_reported_beside_sal_per_scenario(tmp_path: 
     assert [(a[0], a[2]) for a in found] == [
         (
             "s / fcfs",
-            "p50 2.00x (per seed 2.00-2.00x, better on 2 of 2); "
-            "p95 2.00x (per seed 2.00-2.00x, better on 2 of 2); "
-            "p99 2.00x (per seed 2.00-2.00x, better on 2 of 2)",
+            "p50 2.00x [2.00-2.00], better on 2 of 2 (win); "
+            "p95 2.00x [2.00-2.00], better on 2 of 2 (win); "
+            "p99 2.00x [2.00-2.00], better on 2 of 2 (win)",
         )
     ]
     write_report(doc, tmp_path / "prefix.md")
