@@ -172,6 +172,9 @@ def main() -> None:
     # One core per child: the gateway sizes the pool to the machine.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Niceness: set by the parent (`worker_proc.WORKER_NICENESS`), once, as an absolute value.
+    from sal_gateway.torch_free import keep_torch_out
+
+    keep_torch_out()  # before transformers: tokenizers only (no ~340 MiB of torch)
     init = json.loads(sys.stdin.buffer.readline())
     from sal_gateway.tokenizer import load_model_tokenizer
 

@@ -178,7 +178,11 @@ def serve(
 def serve_worker(
     config: GatewayConfig, sockets: list[socket.socket], accounting: SharedAccounting | None
 ) -> None:
-    """`serve` in a worker process: a config error exits 2 with one line, as `main` does."""
+    """`serve` in a worker process (spawned: it does not inherit the parent's modules) without
+    PyTorch, as `console_main`; a config error exits 2 with one line, as `main` does."""
+    from sal_gateway.torch_free import keep_torch_out
+
+    keep_torch_out()
     try:
         serve(config, sockets, accounting)
     except (TokenizerLoadError, AuthConfigError, TracingError, PeersError) as exc:
@@ -219,5 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def console_main() -> int:
+    """The ``sal-gateway`` console script: `main` in a process without PyTorch
+    (`sal_gateway.torch_free`). `main` itself leaves the caller's imports alone."""
+    from sal_gateway.torch_free import keep_torch_out
+
+    keep_torch_out()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

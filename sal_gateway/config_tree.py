@@ -260,8 +260,9 @@ class LimitsConfig:
     """Time budget of rendering one request-supplied chat template (then 400)."""
     body_workers: int = 2
     """Worker processes that decode, validate and count large request bodies (`body_pool`)
-    off the event loop. Each loads every model's tokenizer (~0.5 GiB resident with
-    transformers); more than the gateway's cores only add memory. At least 1."""
+    off the event loop. Each loads every model's tokenizer (~80-90 MiB resident with a small
+    vocabulary, without PyTorch: `sal_gateway.torch_free`); more than the gateway's cores
+    only add memory. At least 1."""
     body_max_waiting: int = 16
     """Large requests waiting for a body worker beyond this get a 429 with ``Retry-After``
     at once (a flood of large bodies is refused, not queued in memory)."""

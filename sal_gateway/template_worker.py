@@ -99,6 +99,9 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
 def main() -> None:
     # Start-up (a second of imports) and runaway templates alike must not take CPU from the
     # gateway's event loop: the parent sets this process's niceness (`worker_proc`).
+    from sal_gateway.torch_free import keep_torch_out
+
+    keep_torch_out()  # Jinja only: no torch under the address-space cap
     import transformers.utils.chat_template_utils  # noqa: F401  (import before the cap)
 
     limit = _address_space_bytes() + MEMORY_HEADROOM_BYTES
