@@ -19,6 +19,7 @@ from bench import (
     gateways,
     larry_tail,
     lora_bench,
+    lora_real,
     prefix_bench,
     prefix_real,
     real_path,
@@ -89,6 +90,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("fuzz", fuzz_bench.HELP, fuzz_bench.configure, fuzz_bench.run),
     Command("prefix", prefix_bench.HELP, prefix_bench.configure, prefix_bench.run),
     Command("lora", lora_bench.HELP, lora_bench.configure, lora_bench.run),
+    Command("lora-real", lora_real.HELP, lora_real.configure, lora_real.run),
 )
 """Every subcommand, in the order ``--help`` lists them."""
 

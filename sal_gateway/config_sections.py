@@ -247,6 +247,7 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
             data.get("prefix_min_match_tokens", d.prefix_min_match_tokens),
             0,
         ),
+        lora_slots=_as_bool(f"{path}.lora_slots", data.get("lora_slots", d.lora_slots)),
     )
 
 

@@ -196,6 +196,11 @@ class RoutingConfig:
     """Cache-aware `sal` ignores a predicted hit shorter than this many tokens (>= 0): a
     short match is usually an opening block every prompt shares (a system prompt), and
     crediting it would make a replica that misses it lose every tie and never get it."""
+    lora_slots: bool = True
+    """Pass over replicas whose ``--max-loras`` slots other adapters hold while another can
+    start an adapter's request now, whatever the policy (`sal_core.lora_slots`). ``false``
+    routes as if slots did not exist, as routers blind to them do: for comparison
+    (``sal-bench lora-real``), not for production."""
 
 
 @dataclass(frozen=True, slots=True)

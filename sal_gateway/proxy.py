@@ -241,7 +241,7 @@ class Forwarder:
         chosen = self._policy if policy is None else policy
         now_s = self._clock()
         views = _excluding(self._table.views(model, now_s), exclude, only)
-        if adapter is not None:
+        if adapter is not None and self._routing.lora_slots:
             views = self._by_lora_slots(model, adapter, views)
         if blocks is not None and self._prefix is not None:
             self._prefix.annotate(model, views, blocks)

@@ -94,6 +94,22 @@ def test_an_adapter_goes_where_a_lora_slot_is_free(tiny_model_dir: Path, policy:
         assert _sent(rig, 0, "lora-a") + _sent(rig, 1, "lora-a") == 4
 
 
+def test_routing_lora_slots_false_routes_as_if_the_slots_did_not_exist(
+    tiny_model_dir: Path,
+) -> None:
+    # The comparison switch of `sal-bench lora-real`: round robin blind to the slots sends
+    # half of the lora-b requests into replica a, whose only slot lora-a holds.
+    routing = {**RELAXED, "policy": "round_robin", "lora_slots": False}
+    with gateway_rig(2, tokenizer=tiny_model_dir, routing=routing, extra=QUICK_MODELS) as rig:
+        running = [("lora-a",), ()]
+        _slots(rig, running)
+        wait_until(lambda: _seen_by_gateway(rig, running))
+        for _ in range(6):
+            assert _ask(rig, "lora-b").status_code == 200
+        assert (_sent(rig, 0, "lora-b"), _sent(rig, 1, "lora-b")) == (3, 3)
+        assert _slot_decisions(rig, "steered") == 0
+
+
 def test_with_every_slot_full_the_request_is_still_routed(tiny_model_dir: Path) -> None:
     with gateway_rig(2, tokenizer=tiny_model_dir, routing=RELAXED, extra=QUICK_MODELS) as rig:
         running = [("lora-a",), ("lora-a",)]

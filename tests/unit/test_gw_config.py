@@ -103,6 +103,7 @@ def test_unknown_keys_are_rejected_naming_the_path(
         ({"routing": {"poll_backoff_max_s": 0}}, "poll_backoff_max_s: must be a positive"),
         ({"routing": {"accounting_grace_s": -0.1}}, "accounting_grace_s: must be >= 0"),
         ({"routing": {"accounting_grace_s": "50ms"}}, "accounting_grace_s: expected a number"),
+        ({"routing": {"lora_slots": "off"}}, "routing.lora_slots: expected true or false"),
         ({"listen": {"port": 70000}}, "listen.port"),
         ({"log_level": "loud"}, "log_level"),
     ],
