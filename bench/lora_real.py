@@ -20,7 +20,7 @@ A seeded open-loop workload: Poisson arrivals, each request a streamed completio
   balancer does.
 
 One run per (seed, configuration), the order rotated per seed; ratios are paired by seed
-(`bench.spread`). About 10 minutes on 2 cores.
+(`bench.spread`). About 13 minutes on 2 cores.
 
     flock /tmp/sal-vllm.lock nice -n 19 sal-bench lora-real --seeds 0,1,2
 
