@@ -235,7 +235,7 @@ def test_engine_image_pins_the_supported_vllm() -> None:
 
 def test_image_entrypoints_are_console_scripts_of_the_package() -> None:
     scripts = _pyproject()["project"]["scripts"]  # type: ignore[index]
-    assert scripts["sal-gateway"] == "sal_gateway.cli:main"
+    assert scripts["sal-gateway"] == "sal_gateway.cli:console_main"  # main without torch
     assert scripts["sal-engine"] == "engine_patch.launcher:main"
 
 
@@ -289,6 +289,6 @@ def test_the_installed_package_runs_what_the_images_run(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stdout + result.stderr
         assert expected in result.stdout
     entry_points = next(unpacked.glob("*.dist-info/entry_points.txt")).read_text()
-    assert "sal-gateway = sal_gateway.cli:main" in entry_points
+    assert "sal-gateway = sal_gateway.cli:console_main" in entry_points
     assert "sal-engine = engine_patch.launcher:main" in entry_points
     assert "demo = engine_sim.demo:COMMAND" in entry_points

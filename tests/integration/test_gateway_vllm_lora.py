@@ -361,10 +361,20 @@ def test_an_adapter_joins_the_replica_already_running_it(
         return _slot_counters(url, replicas, "affinity")
 
     seen: list[str] = []
+    held = False
     for _ in range(3):
         with ThreadPoolExecutor(1) as pool:
             f = pool.submit(_completed_at, url, "lora-f", MAX_MODEL_LEN - 64, 8)
-            holder = _slot_held(url, replicas, "lora-f", f)
+            try:
+                holder = _slot_held(url, replicas, "lora-f", f)
+            except AssertionError as exc:
+                if not f.done():
+                    raise
+                # On a starved box the run can end before a /stats answer shows it (a CI
+                # run): the premise never held, so try again rather than fail.
+                seen.append(f"no premise: {exc}")
+                f.result(timeout=120)
+                continue
             kept_before, routed_before = counters()
             held = _lora_running(holder) == ["lora-f"]
             _completed_at(url, "lora-f", 1)
