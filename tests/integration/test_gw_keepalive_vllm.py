@@ -28,7 +28,7 @@ MODEL = "tiny"
 BLOCKER_TOKENS = 2000
 """Output tokens of the stream that holds the only sequence slot (~5 s on CPU; with its
 prompt within the replica's 2,048-token context)."""
-TRIES = 5
+TRIES = 8
 
 
 @dataclass
@@ -130,7 +130,9 @@ def test_ttft_of_a_queued_stream_runs_to_its_first_token_past_keep_alive_comment
     # that token (a clean-clone run: 3.45 s and 4.19 s), when a TTFT booked at the comment
     # could not be told from one booked at the token; and on a quiet box the blocker has
     # ended before the queued stream had waited long enough to show anything (first token at
-    # 2.8 s in a CI run): try again, a few times at most.
+    # 2.8 s in a CI run), or vLLM has started the blocker only after the queued stream (a
+    # clean-clone run where 3 of 5 tries went so and 2 got no comment): try again, 8 times
+    # at most.
     assert queued.comments >= 1, f"vLLM sent no keep-alive comment in {TRIES} tries: {seen}"
     assert _queued_behind(queued, blockers[0]), f"no stream queued behind the blocker: {seen}"
     first_comment, first_data = queued.first_comment, queued.first_data
