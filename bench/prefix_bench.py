@@ -272,8 +272,10 @@ def run_one(
     engine: str,
     seed: int,
     source: str | None = None,
+    kv_scale: float = 1.0,
 ) -> tuple[SimResult, float]:
-    """One simulation; `source` None: approximate for prefix-aware routers, else none."""
+    """One simulation; `source` None: approximate for prefix-aware routers, else none;
+    `kv_scale`: the profile's KV blocks per replica multiplied (`simulate`)."""
     what_if: Policy | None = WHAT_IFS[router]() if router in WHAT_IFS else None
     if source is None:
         aware = router in PREFIX_AWARE_POLICIES or what_if is not None
@@ -287,6 +289,7 @@ def run_one(
         router=RouterConfig(policy="sal" if what_if else router, seed=seed, cache_source=source),
         enable_prefix_caching=True,
         policy=what_if,
+        kv_scale=kv_scale,
     )
     return result, time.perf_counter() - t0
 
@@ -407,6 +410,38 @@ def run_decode_reserve(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     )
 
 
+KV_SCALES = (1.0, 2.0, 4.0)
+"""KV per replica, in multiples of the profile's, for `run_kv_capacity`."""
+KV_ROUTERS = ("sal", "sal_paper", "prefix_affinity", "llm_d", "cache_aware")
+KV_SCENARIO = "synthetic-80gb"
+
+
+def run_kv_capacity(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """Which regime the synthetic trace is in: its scenario with the replicas' KV blocks
+    multiplied by `KV_SCALES` (compute unchanged; x2 is what FP8 KV gives the same card).
+    If the fleet's KV is what loses the reuse, every cache-aware router's hit rate is
+    capped alike (prefix_affinity's too, which never copies a prefix to a second replica)
+    and rises toward the infinite cache's with the KV."""
+    sc = next(s for s in SCENARIOS if s.name == KV_SCENARIO)
+    rows: list[Row] = []
+    for seed in seeds(ctx, sc):
+        reqs = workload(ctx, sc, seed)
+        for scale in KV_SCALES:
+            for router in KV_ROUTERS:
+                result, wall = run_one(
+                    reqs, sc.profile, sc.replicas, router, "fcfs", seed, kv_scale=scale
+                )
+                rows.append(
+                    row_of(
+                        result, scenario=sc.name, router=router, engine="fcfs", seed=seed,
+                        kv_scale=scale,
+                    )
+                )  # fmt: skip
+                log(f"kv-capacity seed {seed} x{scale:g} {router:15s} {wall:5.1f}s "
+                    f"p50 {rows[-1]['ttft_p50_s']:.2f} hit {rows[-1]['hit_rate']:.2f}")  # fmt: skip
+    return rows
+
+
 def run_azure(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     """No reuse at all: SAL with the router's prefix index must route exactly as without."""
     reqs = load_azure_csv(
@@ -471,6 +506,7 @@ def run(args: argparse.Namespace) -> int:
         "credit-all",
         "paper-memory",
         "decode-reserve",
+        "kv-capacity",
         "bound",
     }
     only = set(args.only) if args.only else known
@@ -500,6 +536,7 @@ def run(args: argparse.Namespace) -> int:
         ("credit-all", run_credit_all),
         ("paper-memory", run_paper_memory),
         ("decode-reserve", run_decode_reserve),
+        ("kv-capacity", run_kv_capacity),
         ("azure", run_azure),
         ("bound", run_bound),
     ):

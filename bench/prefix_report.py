@@ -275,6 +275,14 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
             out.append((f"{name} / fcfs", "routing.decode_reserve 0.5 and 1.0 against 0 (the "
                         "default): preemptions per 100 requests, TTFT ratios > 1: the reserve "
                         "is better", "; ".join(cells), "reported"))  # fmt: skip
+    for scale, rows in _kv_scales(doc):
+        if scale != 1.0:
+            out += _grid_aims(
+                f"{rows[0]['scenario']}, KV x{scale:g} (what-if) / fcfs",
+                "reuse survives",
+                rows,
+                "fcfs",
+            )
     azure = doc["results"].get("azure")
     if azure and len(azure) == 2:
         same = azure[0]["replicas_of"] == azure[1]["replicas_of"]
@@ -282,6 +290,66 @@ def aims(doc: dict[str, Any]) -> list[Aim]:
                     "(no reuse)", "same replica for every request" if same
                     else "decisions differ", "met" if same else "not met"))  # fmt: skip
     return out
+
+
+def _kv_scales(doc: dict[str, Any]) -> list[tuple[float, list[Row]]]:
+    """The ``kv-capacity`` rows grouped by KV scale, smallest first."""
+    rows = doc["results"].get("kv-capacity", [])
+    scales = sorted({float(r["kv_scale"]) for r in rows})
+    return [(k, [r for r in rows if float(r["kv_scale"]) == k]) for k in scales]
+
+
+def kv_capacity_section(doc: dict[str, Any]) -> list[str]:
+    """The "which regime" section: the synthetic scenario with each KV scale, hit rates
+    against the infinite cache's, and SAL's paired p50/p99 ratios at each scale."""
+    groups = _kv_scales(doc)
+    if not groups:
+        return []
+    from engine_sim.cost_model import get_profile
+
+    name = groups[0][1][0]["scenario"]
+    scenario = next((s for s in doc["scenarios"] if s["name"] == name), None)
+    per_replica = (
+        get_profile(scenario["profile"]).num_kv_blocks(16) * 16 if scenario is not None else 0
+    )
+    bound = [b for b in doc["results"].get("bound", []) if b["scenario"] == name]
+    infinite = f"{spread(bound, 'max_hit_rate')[0]:.0%}" if bound else "—"
+    lines = [
+        f"## Which regime: {name} with more KV per replica (what-if)",
+        "",
+        "The same requests and replicas with each replica's KV blocks multiplied, the compute "
+        "unchanged (x2 is what FP8 KV, `--kv-cache-dtype fp8`, fits in the same memory; "
+        "`sal-bench prefix --only kv-capacity`). If the fleet's KV is what loses the reuse, "
+        "every cache-aware router's hit rate is capped alike, prefix_affinity's too (it never "
+        "copies a prefix to a second replica), and rises toward the infinite cache's with "
+        f"the KV. Ratios are paired per window (> 1: SAL better); {_runs(groups[0][1])}.",
+        "",
+        "| KV per replica (tokens) | hit: infinite / sal / prefix_affinity / best baseline "
+        "| p50 (s): sal / sal_paper / best baseline | sal_paper / sal, p50 "
+        "| best baseline / sal, p50 | p99: sal_paper / sal; best baseline / sal |",
+        "|---|---|---|---|---|---|",
+    ]
+    for scale, rows in groups:
+        base = best_baseline(rows, "fcfs")
+
+        def med(router: str, key: str, rows: Sequence[Row] = rows) -> float:
+            return spread(_group(rows, router, "fcfs"), key)[0]
+
+        hits = " / ".join(f"{med(r, 'hit_rate'):.0%}" for r in ("sal", "prefix_affinity", base))
+        p50 = " / ".join(f"{med(r, 'ttft_p50_s'):.2f}" for r in ("sal", "sal_paper", base))
+        p99 = (
+            f"{ratio(rows, 'sal', 'sal_paper', 'fcfs', 'ttft_p99_s').median:.2f}x; "
+            f"{ratio(rows, 'sal', base, 'fcfs', 'ttft_p99_s').median:.2f}x"
+        )
+        lines.append(
+            f"| x{scale:g} ({int(per_replica * scale):,}) | {infinite} / {hits} ({base}) "
+            f"| {p50} | {paired(rows, 'sal', 'sal_paper', 'fcfs', 'ttft_p50_s')} "
+            f"| {paired(rows, 'sal', base, 'fcfs', 'ttft_p50_s')} | {p99} |"
+        )
+    lines.append("")
+    for scale, rows in groups:
+        lines += [f"### KV x{scale:g}", "", grid_table(rows), ""]
+    return lines
 
 
 def bound_table(doc: dict[str, Any]) -> list[str]:
@@ -354,6 +422,7 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
         *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in aims(doc)],
         "",
         *bound_table(doc),
+        *kv_capacity_section(doc),
     ]
     for sc in doc["scenarios"]:
         rows = doc["results"].get(sc["name"])

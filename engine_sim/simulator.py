@@ -797,16 +797,21 @@ def simulate(
     max_sim_s: float | None = None,
     policy: Policy | None = None,
     enable_prefix_caching: bool = False,
+    kv_scale: float = 1.0,
 ) -> SimResult:
     """Replay `requests` through `replicas` `EngineModel`s of one cost profile.
 
     Engines use vLLM's defaults (block size 16, 256 sequences, a 2,048-token step budget,
     chunked prefill) and the KV capacity the profile's GPU memory leaves
     (`CostProfile.num_kv_blocks`); prefix caching only with `enable_prefix_caching`.
+    `kv_scale` multiplies that capacity, the compute unchanged: a what-if for "the same
+    fleet with more KV per replica" (FP8 KV halves the bytes per token, x2).
     """
+    if not (kv_scale > 0 and kv_scale < float("inf")):
+        raise ValueError(f"kv_scale must be a finite number > 0, got {kv_scale}")
     cost = get_profile(profile)
     config = EngineConfig(
-        num_kv_blocks=cost.num_kv_blocks(block_size),
+        num_kv_blocks=max(1, int(cost.num_kv_blocks(block_size) * kv_scale)),
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -179,3 +179,30 @@ def test_the_decode_reserve_what_ifs_are_reported_beside_sal_per_scenario(tmp_pa
     text = (tmp_path / "prefix.md").read_text()
     assert "## routing.decode_reserve 0.5 and 1.0 beside 0" in text
     assert "| fcfs | sal_reserve_1 | 1.50 |" in text
+
+
+def test_the_kv_capacity_what_if_gets_its_own_aims_and_section(tmp_path: Path) -> None:
+    # At x1 SAL only ties the paper's SAL; at x2 it halves its p50 on every window.
+    rows = []
+    for seed in range(3):
+        for scale, paper in ((1.0, 1.0), (2.0, 2.0)):
+            rows += [
+                _row("sal", seed, 1.0, kv_scale=scale, hit_rate=0.1 * scale),
+                _row("sal_paper", seed, paper, kv_scale=scale),
+                _row("prefix_affinity", seed, 5.0, kv_scale=scale, hit_rate=0.1 * scale),
+                _row("llm_d", seed, 1.5, kv_scale=scale),
+            ]
+    doc = _doc([], "reuse survives")
+    doc["scenarios"][0].update(name="s", workload="synthetic", profile="llama31-8b-a100-80gb")
+    doc["results"] = {"kv-capacity": rows, "bound": [{"scenario": "s", "max_hit_rate": 0.3}]}
+    verdicts = {(tag, aim): v for tag, aim, _, v in aims(doc)}
+    assert verdicts[("s, KV x2 (what-if) / fcfs", "p50 TTFT >= 1.5x lower than sal_paper")] == (
+        "met (every seed)"
+    )
+    assert not any(tag.startswith("s, KV x1 ") for tag, _ in verdicts)  # the main grid's
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert "## Which regime: s with more KV per replica (what-if)" in text
+    # x2 doubles the profile's 450,896 tokens per replica; hit rates 20 % for sal and affinity.
+    assert "| x2 (901,792) | 30% / 20% / 20% / 50% (llm_d) | 1.00 / 2.00 / 1.50 |" in text
+    assert "2.00x [2.00-2.00], better on 3 of 3 (win)" in text

@@ -93,3 +93,24 @@ def test_the_approximate_index_holds_routed_blocks_until_release_and_fits_the_kv
     cache.on_snapshot(0, kv_blocks_total=4, block_size=16)
     # Only 4 blocks fit; the prefix's tail went first, so the first 4 still match.
     assert cache.lookup(keys)[0].cached_tokens == 4 * 16
+
+
+def test_more_kv_per_replica_keeps_more_of_the_reuse() -> None:
+    # A long conversation trace on a KV cache that cannot hold it: doubling and quadrupling
+    # the KV (the compute unchanged) must raise the hit rate cache-aware SAL achieves.
+    spec = ChatSpec(conversations=30, rate_per_s=2.0, think_time_s=(20.0, 40.0))
+    requests = multi_turn_chat(spec, [(6_000, 100), (9_000, 200)], 2)
+    hits = []
+    for scale in (1.0, 4.0):
+        result = simulate(
+            requests,
+            replicas=2,
+            profile=PROFILE,
+            router=RouterConfig(policy="sal", cache_source="approximate"),
+            enable_prefix_caching=True,
+            kv_scale=scale,
+        )
+        hits.append(result.summary.hit_rate)
+    assert hits[1] > hits[0] + 0.3, hits  # measured: 13 % and 70 %
+    with pytest.raises(ValueError, match="kv_scale"):
+        simulate(requests[:1], replicas=1, profile=PROFILE, kv_scale=0.0)
