@@ -418,7 +418,8 @@ KV_SCENARIO = "synthetic-80gb"
 
 def run_kv_capacity(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     """Which regime the synthetic trace is in: its scenario with the replicas' KV blocks
-    multiplied by `KV_SCALES` (compute unchanged; x2 is what FP8 KV gives the same card).
+    multiplied by `KV_SCALES` (compute unchanged; x2 is what FP8 KV fits in the same
+    memory).
     If the fleet's KV is what loses the reuse, every cache-aware router's hit rate is
     capped alike (prefix_affinity's too, which never copies a prefix to a second replica)
     and rises toward the infinite cache's with the KV."""

@@ -96,8 +96,8 @@ def test_the_approximate_index_holds_routed_blocks_until_release_and_fits_the_kv
 
 
 def test_more_kv_per_replica_keeps_more_of_the_reuse() -> None:
-    # A long conversation trace on a KV cache that cannot hold it: doubling and quadrupling
-    # the KV (the compute unchanged) must raise the hit rate cache-aware SAL achieves.
+    # A long conversation trace on a KV cache that cannot hold it: four times the KV (the
+    # compute unchanged) must raise the hit rate cache-aware SAL achieves.
     spec = ChatSpec(conversations=30, rate_per_s=2.0, think_time_s=(20.0, 40.0))
     requests = multi_turn_chat(spec, [(6_000, 100), (9_000, 200)], 2)
     hits = []
