@@ -297,6 +297,13 @@ def _slot_held(url: str, replicas: list[str], adapter: str, run: Future[float]) 
     return holder
 
 
+PREMISE_TRIES = 6
+"""Tries of the slot tests: on the starved 2-core box an adapter's engine run of a few seconds
+can end before a `/stats` answer shows it running, or before the next request is sent (the
+premise never held; that try says nothing). A clean-clone run saw it end first in 3 tries of
+3 on the vLLM 0.33 pass; each try costs seconds."""
+
+
 def _lora_running(replica: str) -> list[str]:
     # A replica busy relaying a long answer can take seconds to serve /stats on 2 cores.
     stats = httpx.get(f"{replica}/stats", timeout=30).json()
@@ -319,11 +326,19 @@ def test_an_adapter_goes_to_the_replica_whose_lora_slot_is_free(
 
     long_tokens = MAX_MODEL_LEN - 64
     seen: list[str] = []
-    for _ in range(3):
+    held = False
+    for _ in range(PREMISE_TRIES):
         with ThreadPoolExecutor(2) as pool:
             # Eight choices of ~2k tokens: seconds of engine time.
             d = pool.submit(_completed_at, url, "lora-d", long_tokens, 8)
-            holder = _slot_held(url, replicas, "lora-d", d)
+            try:
+                holder = _slot_held(url, replicas, "lora-d", d)
+            except AssertionError as exc:
+                if not d.done():
+                    raise
+                seen.append(f"no premise: {exc}")  # see PREMISE_TRIES
+                d.result(timeout=120)
+                continue
             base = pool.submit(_completed_at, url, MODEL, long_tokens, 8)
             time.sleep(0.3)  # the base request is routed (SAL: the replica with fewer in flight)
             steered_before, routed_before = counters()
@@ -362,7 +377,7 @@ def test_an_adapter_joins_the_replica_already_running_it(
 
     seen: list[str] = []
     held = False
-    for _ in range(3):
+    for _ in range(PREMISE_TRIES):
         with ThreadPoolExecutor(1) as pool:
             f = pool.submit(_completed_at, url, "lora-f", MAX_MODEL_LEN - 64, 8)
             try:
