@@ -263,6 +263,9 @@ def time_prefix_tracking(
         f"views() + lookup over {n_backends} replicas ({holders} hold the whole prompt)": annotate,
         f"views() only, {n_backends} replicas": lambda: table.views(_MODEL, 0.5),
         "hold + release on the chosen replica": hold_release,
+        "fleet-reuse estimate (x1, x2, x4 caches; 1 block in 16)": lambda: tracker.fleet_reuse(
+            _MODEL, blocks
+        ),
         f"views() + lookup + SAL select, {n_backends} replicas": decide,
         f"views() + SAL select without a lookup, {n_backends} replicas": lambda: sal.select(
             request, table.views(_MODEL, 0.5)

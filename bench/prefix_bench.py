@@ -8,12 +8,14 @@ seed; prefix-aware routers read the router's approximate index (`engine_sim.rout
 the others see no cache. Then the checks: the hot-prefix "death spiral", the approximate
 index against the oracle (vLLM KV events), the memory-term what-if, ``routing.decode_reserve``
 0.5 and 1.0 beside 0, the Azure trace (no reuse: cache-aware SAL must equal the paper's SAL),
-and the TTFT no router could beat on each scenario (`engine_sim.ttft_bound`; ``--only
-bound`` adds it to an existing ``prefix.json`` in seconds). Writes ``prefix.json`` (every
-run) and ``prefix.md`` (`bench.prefix_report`) to ``--out``; the whole command runs under
-``nice -n 19`` in about an hour on a busy 2-core machine (``--only`` runs a part and keeps
-the rest of an existing ``prefix.json``; ``--quick``: a few minutes, one seed, quarter
-windows).
+the TTFT no router could beat on each scenario (`engine_sim.ttft_bound`; ``--only
+bound`` adds it to an existing ``prefix.json`` in seconds), the KV what-if (``--only
+kv-capacity``) and what the gateway's fleet-reuse estimate reads on every window
+(``--only reuse-profile``, seconds; the report sets it beside the measured hit rates).
+Writes ``prefix.json`` (every run) and ``prefix.md`` (`bench.prefix_report`) to ``--out``;
+the whole command runs under ``nice -n 19`` in about an hour on a busy 2-core machine
+(``--only`` runs a part and keeps the rest of an existing ``prefix.json``; ``--quick``: a
+few minutes, one seed, quarter windows).
 
 Windows: the Mooncake conversation trace, 18 windows of `Scenario.window_s` (60) trace
 seconds starting every 200 s (0 to 3,400 s: spread evenly over the 3,537-s trace), scaled by the
@@ -55,6 +57,8 @@ from engine_sim.workloads import (
     load_sharegpt_lengths,
     multi_turn_chat,
 )
+from sal_core.fleet_reuse import SCALES as FLEET_SCALES
+from sal_core.fleet_reuse import FleetReuse
 from sal_core.percentile import percentile
 from sal_core.policies import (
     PREFIX_AWARE_POLICIES,
@@ -443,6 +447,33 @@ def run_kv_capacity(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     return rows
 
 
+def run_reuse_profile(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """What the gateway's fleet-reuse estimate (`sal_core.fleet_reuse.FleetReuse`, as
+    shipped: sampled, fed every prompt in arrival order, sized by the replicas' KV) says
+    each scenario window could keep at x1, x2 and x4 the fleet's KV. The report sets it
+    beside the hit rates the routers measured in the same windows. No simulation."""
+    rows: list[Row] = []
+    for sc in SCENARIOS:
+        fleet_blocks = sc.replicas * get_profile(sc.profile).num_kv_blocks(BLOCK_SIZE)
+        for seed in seeds(ctx, sc):
+            reqs = workload(ctx, sc, seed)
+            profile = FleetReuse()
+            profile.set_fleet_blocks(fleet_blocks)
+            hits = [0] * len(FLEET_SCALES)
+            for req in sorted(reqs, key=lambda r: r.arrival_s):
+                keys = req.blocks.keys(BLOCK_SIZE) if req.blocks is not None else []
+                found = profile.observe(keys, (req.prompt_tokens - 1) // BLOCK_SIZE)
+                hits = [h + f for h, f in zip(hits, found, strict=True)]
+            prompt = max(1, sum(r.prompt_tokens for r in reqs))
+            row: Row = {"scenario": sc.name, "seed": seed, "fleet_blocks": fleet_blocks,
+                        "sample_shift": profile.sample_shift}  # fmt: skip
+            for scale, hit in zip(FLEET_SCALES, hits, strict=True):
+                row[f"reuse_x{scale}"] = hit * BLOCK_SIZE / prompt
+            rows.append(row)
+        log(f"reuse-profile {sc.name}: x1 {rows[-1]['reuse_x1']:.3f} (last seed)")
+    return rows
+
+
 def run_azure(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     """No reuse at all: SAL with the router's prefix index must route exactly as without."""
     reqs = load_azure_csv(
@@ -508,6 +539,7 @@ def run(args: argparse.Namespace) -> int:
         "paper-memory",
         "decode-reserve",
         "kv-capacity",
+        "reuse-profile",
         "bound",
     }
     only = set(args.only) if args.only else known
@@ -538,6 +570,7 @@ def run(args: argparse.Namespace) -> int:
         ("paper-memory", run_paper_memory),
         ("decode-reserve", run_decode_reserve),
         ("kv-capacity", run_kv_capacity),
+        ("reuse-profile", run_reuse_profile),
         ("azure", run_azure),
         ("bound", run_bound),
     ):

@@ -352,6 +352,78 @@ def kv_capacity_section(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+AWARE = ("sal", "prefix_affinity", "llm_d", "cache_aware")
+"""The cache-aware routers whose best hit rate the fleet-reuse estimate is set beside."""
+
+
+def _signed(values: Sequence[float]) -> str:
+    r = spread_of(values)
+    return f"{100 * r.median:+.1f} ({100 * r.low:+.1f} to {100 * r.high:+.1f})"
+
+
+def reuse_profile_section(doc: dict[str, Any]) -> list[str]:
+    """The gateway's fleet-reuse estimate (``reuse-profile`` rows) against the hit rates
+    measured in the same windows: per scenario at x1 (the grid's fcfs runs), and for the
+    KV what-if's scenario at each of its scales (the ``kv-capacity`` runs). Differences in
+    percentage points, estimate minus the best cache-aware router's, paired per window."""
+    estimates = doc["results"].get("reuse-profile", [])
+    if not estimates:
+        return []
+    lines = [
+        "## Telling the regime from the gateway: the fleet-reuse estimate",
+        "",
+        "What the gateway's `sal_prefix_fleet_reuse_hit_tokens_total` would read on each "
+        "window (`sal_core.fleet_reuse`, as shipped: 1 block in 16 sampled, every prompt in "
+        "arrival order through one LRU cache of the whole fleet's KV, and of 2x and 4x it; "
+        "`sal-bench prefix --only reuse-profile`, seconds), beside the hit rates the "
+        "simulated routers reached on the same windows (vLLM's counters there). Estimate "
+        "minus the best cache-aware router's (sal, prefix_affinity, llm_d, cache_aware), in "
+        "percentage points: median (min to max) over the windows. The estimate sees prompts "
+        "only, so it misses the replies a multi-turn prompt repeats, and it reserves no KV "
+        "for running requests. It depends on the order of the prompts, not their pace: "
+        "the same trace at two loads reads the same.",
+        "",
+        "| scenario | KV | estimate | best cache-aware router | estimate - best (points) "
+        "| sal | prefix-blind sal_paper |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    groups = dict(_kv_scales(doc))
+    for sc in doc["scenarios"]:
+        mine = sorted(
+            (r for r in estimates if r["scenario"] == sc["name"]), key=lambda r: r["seed"]
+        )
+        if not mine:
+            continue
+        sources = [(1.0, [r for r in doc["results"].get(sc["name"], []) if r["engine"] == "fcfs"])]
+        kv_rows = groups.get(1.0, [])
+        if kv_rows and kv_rows[0]["scenario"] == sc["name"]:
+            sources += [(k, v) for k, v in sorted(groups.items()) if k != 1.0]
+        for scale, rows in sources:
+            paired_rows = []
+            for est in mine:
+                seed_rows = [r for r in rows if r["seed"] == est["seed"]]
+                aware = [r["hit_rate"] for r in seed_rows if r["router"] in AWARE]
+                if not aware:
+                    continue
+                by = {r["router"]: r["hit_rate"] for r in seed_rows}
+                paired_rows.append(
+                    (est[f"reuse_x{scale:g}"], max(aware), by.get("sal"), by.get("sal_paper"))
+                )
+            if not paired_rows:
+                continue
+
+            def med(i: int, rows: list[tuple[Any, ...]] = paired_rows) -> str:
+                values = [r[i] for r in rows if r[i] is not None]
+                return f"{spread_of(values).median:.1%}" if values else "—"
+
+            diffs = [e - b for e, b, _, _ in paired_rows]
+            lines.append(
+                f"| {sc['name']} | x{scale:g} | {med(0)} | {med(1)} | {_signed(diffs)} "
+                f"| {med(2)} | {med(3)} |"
+            )
+    return [*lines, ""]
+
+
 def bound_table(doc: dict[str, Any]) -> list[str]:
     """The "what any router could gain" section: per scenario (fcfs engines), the hit rate
     an infinite cache would reach against SAL's and the best baseline's, and each one's p50
@@ -423,6 +495,7 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
         "",
         *bound_table(doc),
         *kv_capacity_section(doc),
+        *reuse_profile_section(doc),
     ]
     for sc in doc["scenarios"]:
         rows = doc["results"].get(sc["name"])

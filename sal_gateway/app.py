@@ -157,6 +157,7 @@ class Runtime:
         if grown.hit_tokens:
             metrics.prefix_engine_hit_tokens.labels(model, url).inc(grown.hit_tokens)
         metrics.prefix_index_blocks.labels(model, url).set(self.prefix.indexed_blocks(model, url))
+        metrics.fleet_reuse_kv_blocks.labels(model).set(self.prefix.fleet_blocks(model))
 
     def prompt_blocks(self, counted: bool, count: PromptCount) -> PromptBlocks | None:
         """What the prefix tracker looks up for one admitted request (None: nothing)."""
@@ -180,6 +181,9 @@ class Runtime:
                 self.kv_events.remove(model.name, url)
             if self.prefix is not None:
                 self.prefix.forget(model.name, url)
+                self.metrics.fleet_reuse_kv_blocks.labels(model.name).set(
+                    self.prefix.fleet_blocks(model.name)
+                )
         self.discovered[model.name] = wanted
 
 

@@ -338,6 +338,28 @@ class GatewayMetrics:
             _MB,
             registry=r,
         )
+        self.fleet_reuse_prompt_tokens = Counter(
+            "sal_prefix_fleet_reuse_prompt_tokens",
+            "Prompt tokens of routed requests that the fleet-reuse estimate saw (once per "
+            "request; counted while some tracked backend has reported its KV capacity)",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_reuse_hit_tokens = Counter(
+            "sal_prefix_fleet_reuse_hit_tokens",
+            "Of those, the tokens one LRU cache of kv_scale times the tracked fleet's KV "
+            "would have held (estimated from a sample of blocks): what routing could keep "
+            "with this fleet's memory (kv_scale 1) and what more KV would add (2, 4)",
+            ["model", "kv_scale"],
+            registry=r,
+        )
+        self.fleet_reuse_kv_blocks = Gauge(
+            "sal_prefix_fleet_reuse_kv_blocks",
+            "The tracked fleet's KV in blocks (every backend with prefix caching on, summed): "
+            "what kv_scale 1 of sal_prefix_fleet_reuse_hit_tokens stands for",
+            ["model"],
+            registry=r,
+        )
         self.prefix_index_blocks = Gauge(
             "sal_prefix_index_blocks",
             "KV blocks the gateway's prefix index holds for the backend (at its last poll)",

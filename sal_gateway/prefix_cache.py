@@ -13,6 +13,10 @@ Pure bookkeeping on the main event loop (no I/O): one `PrefixTracker` per gatewa
 * in ``kv_events`` mode, vLLM's own KV-cache events (`kv_events`): stored blocks refresh or
   enter the entry, removed blocks leave it, a cleared cache empties it (`apply`).
 
+Beside the index, per model, a `sal_core.fleet_reuse.FleetReuse`: what a cache as large as
+the whole tracked fleet's KV (and 2x, 4x that) would have held of each routed prompt
+(`fleet_reuse`), sized by the tracked replicas' capacities summed.
+
 Modes: ``off`` (no tracker; every cached field 0: SAL is Eq. 2 blind to caches), ``approximate``
 (the index of what the gateway routed, evicted by capacity LRU), ``kv_events`` (the same,
 corrected by the engine's evictions and filled by other gateways' traffic).
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from sal_core.fleet_reuse import FleetReuse
 from sal_core.policies import BackendView
 from sal_core.prefix import PrefixIndex, adapter_keys
 from sal_core.stats import ReplicaStats
@@ -65,6 +70,17 @@ class _ModelCache:
     block_size: int | None = None
     """The model's block size: the first replica's that has prefix caching on."""
     replicas: dict[str, _Replica] = field(default_factory=dict)
+    reuse: FleetReuse = field(default_factory=FleetReuse)
+
+    def resize_reuse(self) -> None:
+        """Size `reuse` by the KV of the replicas whose blocks the index tracks."""
+        self.reuse.set_fleet_blocks(
+            sum(
+                r.capacity_blocks
+                for r in self.replicas.values()
+                if r.caching and r.block_size == self.block_size and r.capacity_blocks > 0
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +155,24 @@ class PrefixTracker:
                 view.cached_tokens = found.cached_blocks * size
                 view.cached_held_tokens = found.held_blocks * size
 
+    def fleet_blocks(self, model: str) -> int:
+        """The tracked fleet's KV in blocks: what `fleet_reuse`'s x1 cache holds (0: none
+        reported yet)."""
+        cache = self._models.get(model)
+        return 0 if cache is None else cache.reuse.fleet_blocks
+
+    def fleet_reuse(self, model: str, blocks: PromptBlocks) -> tuple[int, ...] | None:
+        """A request with `blocks` was routed (call once, not per retry): per scale of
+        `sal_core.fleet_reuse.SCALES`, the estimated prompt tokens a pooled cache of that
+        many times the tracked fleet's KV held; then the pooled caches take its blocks.
+        None while no tracked replica has reported its capacity."""
+        cache = self._models.get(model)
+        if cache is None or cache.block_size is None or cache.reuse.fleet_blocks <= 0:
+            return None
+        size = cache.block_size
+        found = cache.reuse.observe(blocks.keys, max(0, (blocks.prompt_tokens - 1) // size))
+        return tuple(blocks_found * size for blocks_found in found)
+
     def hold(self, model: str, url: str, blocks: PromptBlocks) -> Callable[[], None] | None:
         """`blocks` were routed to `url`: they become its most recent blocks, held until the
         returned callable is called (the request ended). None when `url` keeps no cache."""
@@ -175,6 +209,7 @@ class PrefixTracker:
         if capacity != replica.capacity_blocks:
             cache.index.set_capacity(url, capacity)
             replica.capacity_blocks = capacity
+        cache.resize_reuse()
         queries, hits = stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens
         grown = EngineCounters(
             queries - replica.engine_queries if queries >= replica.engine_queries else queries,
@@ -215,3 +250,4 @@ class PrefixTracker:
         if cache is not None:
             cache.index.remove_backend(url)
             cache.replicas.pop(url, None)
+            cache.resize_reuse()

@@ -58,6 +58,7 @@ import aiohttp
 from starlette.responses import Response
 
 from sal_core.beta import BetaEstimator
+from sal_core.fleet_reuse import SCALES as FLEET_SCALES
 from sal_core.lora_slots import lora_route
 from sal_core.policies import (
     PREFIX_AWARE_POLICIES,
@@ -218,6 +219,17 @@ class Forwarder:
             total=proxy.total_timeout_s, sock_connect=proxy.connect_timeout_s
         )
 
+    def _count_fleet_reuse(self, model: str, blocks: PromptBlocks) -> None:
+        """Feed the routed prompt to the fleet-reuse estimate and count what it found."""
+        assert self._prefix is not None
+        found = self._prefix.fleet_reuse(model, blocks)
+        if found is None:
+            return
+        metrics = self._metrics
+        metrics.fleet_reuse_prompt_tokens.labels(model).inc(blocks.prompt_tokens)
+        for scale, tokens in zip(FLEET_SCALES, found, strict=True):
+            metrics.fleet_reuse_hit_tokens.labels(model, str(scale)).inc(tokens)
+
     def select(
         self,
         model: str,
@@ -363,6 +375,7 @@ class Forwarder:
         body = raw_body if injected is None else injected
         attempts = 0
         fresh = False  # the next attempt opens a connection of its own
+        profiled = False  # the fleet-reuse estimate saw this request's prompt
         while attempts <= self._routing.max_retries:
             choose = functools.partial(
                 self.select,
@@ -404,6 +417,9 @@ class Forwarder:
             )
             if blocks is not None and self._prefix is not None:
                 ticket.on_release = self._prefix.hold(model, url, blocks)
+                if not profiled:  # once per request, not per retry
+                    profiled = True
+                    self._count_fleet_reuse(model, blocks)
             ex = Exchange(
                 model,
                 url,

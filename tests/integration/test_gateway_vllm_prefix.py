@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from engine_sim.fake_vllm import ServedApp
+from sal_core.prefix import chain_hashes
 from sal_gateway.app import Runtime, create_app
 from sal_gateway.config import build_config
 from sal_gateway.state import BackendState
@@ -312,3 +313,43 @@ def test_stats_reports_vllms_own_prefix_cache_counters(
     while gateway_hits() < 3 * BLOCK:
         assert time.monotonic() < deadline, "the gateway never counted the engine's hits"
         time.sleep(0.25)
+
+
+def _reuse_metric(text: str, name: str, scale: str | None = None) -> float:
+    labels = rf'[^}}]*kv_scale="{scale}"[^}}]*' if scale else r"[^}]*"
+    found = re.findall(rf"^sal_prefix_fleet_reuse_{name}\{{{labels}\}} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_the_fleet_reuse_estimate_is_sized_by_vllms_kv_and_finds_a_repeated_prompt(
+    fleet: tuple[list[str], str, Runtime],
+) -> None:
+    """The gateway's estimate of what a cache of the whole fleet's KV would hold: sized by the
+    replicas' own ``kv_blocks_total``, it finds every sampled block (1 key in 16, each standing
+    for 16 blocks) of a prompt sent twice, at x1, x2 and x4, and sees each prompt once."""
+    urls, gateway, runtime = fleet
+    total = sum(httpx.get(f"{u}/stats", timeout=10.0).json()["kv_blocks_total"] for u in urls)
+    assert total > 0
+    deadline = time.monotonic() + DEADLINE_S
+    while _reuse_metric(httpx.get(f"{gateway}/metrics", timeout=10.0).text, "kv_blocks") != total:
+        assert time.monotonic() < deadline, "the estimate never learnt the replicas' KV"
+        time.sleep(0.2)
+    rng = random.Random(f"reuse-{runtime.config.routing.prefix_cache}")
+    while True:  # 4 full blocks (all reusable: 7 tokens follow), some of them sampled
+        prompt = [rng.randrange(10, 1900) for _ in range(4 * BLOCK + 7)]
+        sampled = sum(1 for k in chain_hashes(prompt, BLOCK) if not k & 15)
+        if sampled:
+            break
+    before = httpx.get(f"{gateway}/metrics", timeout=10.0).text
+    _complete(gateway, prompt)
+    _complete(gateway, prompt)
+    after = httpx.get(f"{gateway}/metrics", timeout=10.0).text
+    grown = _reuse_metric(after, "prompt_tokens_total") - _reuse_metric(
+        before, "prompt_tokens_total"
+    )
+    assert grown == 2 * len(prompt)
+    for scale in ("1", "2", "4"):
+        hits = _reuse_metric(after, "hit_tokens_total", scale) - _reuse_metric(
+            before, "hit_tokens_total", scale
+        )
+        assert hits == sampled * 16 * BLOCK, scale

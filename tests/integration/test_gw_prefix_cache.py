@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sal_core.prefix import chain_hashes
 from sal_gateway.state import StateTable
 from tests.gw_fake_support import MODEL, Rig, gateway_rig, metric, wait_until
 
@@ -124,3 +125,44 @@ def test_engine_hit_counters_from_stats_become_gateway_counters() -> None:
 
         wait_until(counted)
         assert metric(rig.metrics(), "sal_prefix_engine_query_tokens_total") == 1000.0
+
+
+def _reuse(text: str, name: str, **labels: str) -> float:
+    return metric(text, f"sal_prefix_fleet_reuse_{name}", model=MODEL, **labels) or 0.0
+
+
+def test_the_fleet_reuse_estimate_sees_each_routed_prompt_once_even_when_retried() -> None:
+    """What a pooled cache of the fleet's KV would hold (kv_scale 1, 2, 4), counted once per
+    request: a repeated prompt's sampled blocks (1 in 16, each standing for 16) are found at
+    every scale, and a request retried on a second replica is not counted twice."""
+    with gateway_rig(2, routing={"prefix_cache": "approximate"}) as rig:
+        _cache_on(rig)
+        fleet = sum(f.stats.kv_blocks_total for f in rig.fakes)
+        wait_until(lambda: _reuse(rig.metrics(), "kv_blocks") == fleet)
+        # A prompt of 40 full blocks whose chained keys include sampled ones.
+        for start in range(100):
+            prompt = list(range(2000 + start, 2000 + start + 40 * BS + 3))
+            sampled = sum(1 for k in chain_hashes(prompt, BS) if not k & 15)
+            if sampled:
+                break
+        assert sampled
+        # The first try (a: the tie goes to it) dies before its first byte; b serves it.
+        rig.fakes[0].behaviour.close_after_chunks = 0
+        resp = httpx.post(
+            f"{rig.url}/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True},
+            timeout=10.0,
+        )
+        assert resp.status_code == 200, resp.text
+        assert "[DONE]" in resp.text
+        assert rig.fakes[1].generation_requests == 1
+        rig.fakes[0].behaviour.close_after_chunks = None
+        text = rig.metrics()
+        assert metric(text, "sal_retries_total", model=MODEL) == 1.0
+        assert _reuse(text, "prompt_tokens_total") == len(prompt)
+        assert _reuse(text, "hit_tokens_total", kv_scale="1") == 0.0
+        _send(rig, prompt)
+        text = rig.metrics()
+        assert _reuse(text, "prompt_tokens_total") == 2 * len(prompt)
+        for scale in ("1", "2", "4"):
+            assert _reuse(text, "hit_tokens_total", kv_scale=scale) == sampled * 16 * BS

@@ -3,6 +3,7 @@ hold of a prompt, as the views a policy sees carry it."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -168,3 +169,37 @@ def test_a_replica_is_tracked_only_once_its_own_poll_reported_caching_on() -> No
     tracker.observe("m", B, replace(_stats(), prefix_caching=False))
     assert not tracker.tracking("m", B)
     assert not tracker.tracking("other", A)
+
+
+def _sampled_blocks(n_blocks: int, seed: int) -> tuple[list[int], int]:
+    """A prompt of `n_blocks` full blocks and 5 tokens whose reusable blocks include some
+    the fleet-reuse estimate samples (1 key in 16); and how many."""
+    rng = random.Random(seed)
+    while True:
+        tokens = [rng.randrange(32_000) for _ in range(n_blocks * BS + 5)]
+        sampled = sum(1 for k in chain_hashes(tokens, BS) if not k & 15)
+        if sampled:
+            return tokens, sampled
+
+
+def test_the_fleet_reuse_estimate_is_sized_by_the_replicas_that_cache() -> None:
+    tracker = PrefixTracker("approximate")
+    tracker.observe("m", A, _stats(kv_blocks_total=500))
+    tracker.observe("m", B, _stats(kv_blocks_total=300))
+    tracker.observe("m", "http://c", replace(_stats(kv_blocks_total=900), prefix_caching=False))
+    assert tracker.fleet_blocks("m") == 800  # c keeps no prefix cache: not counted
+    tracker.forget("m", B)
+    assert tracker.fleet_blocks("m") == 500
+    tracker.observe("m", A, replace(_stats(kv_blocks_total=500), prefix_caching=False))
+    assert tracker.fleet_blocks("m") == 0
+    assert tracker.fleet_reuse("m", _blocks(CONV)) is None  # nothing to size it by
+
+
+def test_the_fleet_reuse_estimate_counts_a_repeated_prompt_in_tokens_at_every_scale() -> None:
+    tracker = _tracker(kv_blocks_total=1000)
+    tokens, sampled = _sampled_blocks(40, seed=5)
+    assert tracker.fleet_reuse("m", _blocks(tokens)) == (0, 0, 0)
+    # Every sampled block of the reusable 40 stands for 16 blocks of 16 tokens.
+    again = tracker.fleet_reuse("m", _blocks(tokens))
+    assert again == (sampled * 16 * BS,) * 3
+    assert tracker.fleet_reuse("m", _blocks(list(range(7, 7 + 40 * BS)))) == (0, 0, 0)

@@ -206,3 +206,34 @@ def test_the_kv_capacity_what_if_gets_its_own_aims_and_section(tmp_path: Path) -
     # x2 doubles the profile's 450,896 tokens per replica; hit rates 20 % for sal and affinity.
     assert "| x2 (901,792) | 30% / 20% / 20% / 50% (llm_d) | 1.00 / 2.00 / 1.50 |" in text
     assert "2.00x [2.00-2.00], better on 3 of 3 (win)" in text
+
+
+def test_the_fleet_reuse_estimate_is_set_beside_the_best_measured_hit_rate(tmp_path: Path) -> None:
+    # Per window: the estimate, the grid's best cache-aware router (llm_d here, not sal) and
+    # the KV what-if's rows at x2; the difference is in points, estimate minus best.
+    grid = []
+    kv = []
+    estimates = []
+    for seed, (est1, est2) in enumerate(((0.30, 0.50), (0.34, 0.56), (0.32, 0.52))):
+        grid += [
+            _row("sal", seed, 1.0, hit_rate=0.28),
+            _row("llm_d", seed, 1.0, hit_rate=0.31),
+            _row("sal_paper", seed, 2.0, hit_rate=0.05),
+        ]
+        for scale, hit in ((1.0, 0.31), (2.0, 0.50)):
+            kv += [
+                _row("sal", seed, 1.0, kv_scale=scale, hit_rate=hit),
+                _row("llm_d", seed, 1.5, kv_scale=scale, hit_rate=hit - 0.01),
+                _row("sal_paper", seed, 2.0, kv_scale=scale, hit_rate=0.1),
+            ]
+        estimates.append(
+            {"scenario": "s", "seed": seed, "reuse_x1": est1, "reuse_x2": est2, "reuse_x4": 0.7}
+        )
+    doc = _doc(grid, "reuse survives")
+    doc["scenarios"][0].update(profile="llama31-8b-a100-80gb")
+    doc["results"].update({"kv-capacity": kv, "reuse-profile": estimates})
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert "## Telling the regime from the gateway: the fleet-reuse estimate" in text
+    assert "| s | x1 | 32.0% | 31.0% | +1.0 (-1.0 to +3.0) | 28.0% | 5.0% |" in text
+    assert "| s | x2 | 52.0% | 50.0% | +2.0 (+0.0 to +6.0) | 50.0% | 10.0% |" in text
