@@ -191,8 +191,29 @@ def prefix_cache_hit_rate(metrics_texts: Sequence[str]) -> float:
     return totals["vllm:prefix_cache_hits_total"] / queries if queries else 0.0
 
 
+def fleet_reuse_rates(metrics_text: str) -> dict[str, float]:
+    """The gateway's fleet-reuse estimate per ``kv_scale`` label: prompt tokens a cache of
+    that many times the fleet's KV would have held / prompt tokens it saw (empty: none seen)."""
+    prompt = 0.0
+    hits: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("sal_prefix_fleet_reuse_prompt_tokens_total{"):
+            prompt += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("sal_prefix_fleet_reuse_hit_tokens_total{"):
+            labels, value = line.rsplit(" ", 1)
+            scale = labels.split('kv_scale="', 1)[1].split('"', 1)[0]
+            hits[scale] = hits.get(scale, 0.0) + float(value)
+    if not prompt:
+        return {}
+    return {scale: hit / prompt for scale, hit in sorted(hits.items(), key=lambda kv: float(kv[0]))}
+
+
 def format_summary(
-    results: list[_Result], share: dict[str, float], options: DemoOptions, hit_rate: float = 0.0
+    results: list[_Result],
+    share: dict[str, float],
+    options: DemoOptions,
+    hit_rate: float = 0.0,
+    fleet_reuse: dict[str, float] | None = None,
 ) -> str:
     """The table printed after the built-in load."""
     ok = [r for r in results if r.ok]
@@ -210,6 +231,11 @@ def format_summary(
     if ttft:
         lines.append(f"  mean TTFT            {statistics.fmean(ttft) * 1000:8.1f} ms")
     lines.append(f"  prefix-cache hits    {hit_rate:8.1%} of prompt tokens (replicas' /metrics)")
+    if fleet_reuse:
+        could = " / ".join(f"x{scale} {rate:.0%}" for scale, rate in fleet_reuse.items())
+        lines.append(
+            f"  fleet could keep     {could} (gateway's estimate with 1, 2, 4x the fleet's KV)"
+        )
     n = sum(share.values()) or 1.0
     for backend, count in sorted(share.items()):
         lines.append(f"  routed to {backend:<24} {count / n:6.1%}")
@@ -258,7 +284,10 @@ async def run_demo(options: DemoOptions) -> None:
                 metrics = (await client.get(f"{base_url}/metrics")).text
                 replica_metrics = [(await client.get(f"{u}/metrics")).text for u in urls]
             hits = prefix_cache_hit_rate(replica_metrics)
-            print(format_summary(results, _routing_share(metrics), options, hits), flush=True)
+            summary = format_summary(
+                results, _routing_share(metrics), options, hits, fleet_reuse_rates(metrics)
+            )
+            print(summary, flush=True)
             if options.exit_after_load:
                 server.should_exit = True
         await serve_task

@@ -47,6 +47,12 @@ def test_demo_serves_the_builtin_load_through_every_replica(tiny_model_dir: Path
     hits = re.search(r"prefix-cache hits\s+([\d.]+)% of prompt tokens", out)
     assert hits is not None, out
     assert 0.0 <= float(hits.group(1)) <= 100.0
+    # And what a cache of the fleet's KV (x1, x2, x4) could keep, from the gateway's metrics:
+    # the emulated replicas report their KV, so the estimate counted every prompt.
+    could = re.search(r"fleet could keep\s+x1 (\d+)% / x2 (\d+)% / x4 (\d+)%", out)
+    assert could is not None, out
+    x1, x2, x4 = (int(v) for v in could.groups())
+    assert x1 <= x2 <= x4 <= 100  # a larger LRU cache holds what a smaller one holds
 
 
 def test_demo_rejects_impossible_flags() -> None:
