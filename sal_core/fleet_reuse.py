@@ -26,10 +26,12 @@ Memory and time stay bounded whatever the fleet: blocks are sampled by key (SHAR
 Waldspurger et al., FAST 2015: the LRU of a spatially hashed sample, its capacity scaled by
 the same rate, has about the same hit rate): a key is kept when its low ``shift`` bits are
 all 0 (a chained key is a Python tuple hash, whose last multiply-and-rotate round mixes
-them well), so a key kept at one rate is kept at every higher one. ``shift`` is at least
-`min_shift` (1 in 16 blocks by default, so an 8k-token prompt costs tens of microseconds,
-not a millisecond) and large enough that the x4 cache keeps at most `max_sampled_blocks`
-keys; each sampled hit counts for ``2**shift`` blocks. Since a request's blocks enter child
+them well), so a key kept at one rate is kept at every lower one. ``shift`` is `min_shift`
+(1 block in 16 by default, so an 8k-token prompt costs tens of microseconds, not a
+millisecond), smaller on a fleet so small that the x1 cache would keep fewer than
+`min_x1_samples` keys (under 2,048 blocks every key is kept: exact), and larger where the x4
+cache would keep more than `max_sampled_blocks`; each sampled hit counts for ``2**shift``
+blocks. Since a request's blocks enter child
 first, parent last, a cached block's prefix is cached too, so counting the prompt's cached
 blocks one by one counts its leading cached run.
 """
@@ -49,13 +51,18 @@ class FleetReuse:
     One per model (block keys of different models never mix). `set_fleet_blocks` whenever
     the fleet's KV changes; `observe` once per routed request, in routing order."""
 
-    def __init__(self, max_sampled_blocks: int = 1 << 15, min_shift: int = 4) -> None:
+    def __init__(
+        self, max_sampled_blocks: int = 1 << 15, min_shift: int = 4, min_x1_samples: int = 1024
+    ) -> None:
         if max_sampled_blocks < 1:
             raise ValueError(f"max_sampled_blocks must be >= 1, got {max_sampled_blocks}")
         if not 0 <= min_shift <= 20:
             raise ValueError(f"min_shift must be in 0..20, got {min_shift}")
+        if min_x1_samples < 1:
+            raise ValueError(f"min_x1_samples must be >= 1, got {min_x1_samples}")
         self._budget = max_sampled_blocks
         self._min_shift = min_shift
+        self._min_samples = min_x1_samples
         self._fleet_blocks = 0
         self._shift = min_shift
         self._caches: tuple[OrderedDict[int, None], ...] = tuple(OrderedDict() for _ in SCALES)
@@ -80,7 +87,12 @@ class FleetReuse:
         if blocks == self._fleet_blocks:
             return
         self._fleet_blocks = blocks
-        shift = self._min_shift
+        # Sample 1 in 2**min_shift, less coarsely where the x1 cache would keep fewer than
+        # min_x1_samples keys (a small fleet: its prompts have few blocks too), and more
+        # coarsely where the x4 cache would pass the budget.
+        shift = 0
+        while shift < self._min_shift and blocks >> (shift + 1) >= self._min_samples:
+            shift += 1
         while (SCALES[-1] * blocks) >> shift > self._budget:
             shift += 1
         if shift > self._shift:
@@ -104,7 +116,7 @@ class FleetReuse:
         if self._fleet_blocks <= 0 or not keys:
             return tuple(0 for _ in SCALES)
         shift = self._shift
-        if shift:
+        if shift:  # (every key sampled at shift 0)
             mask = (1 << shift) - 1
             lookup = [k for k in keys[:reusable] if not k & mask]
             sampled = lookup + [k for k in keys[reusable:] if not k & mask]

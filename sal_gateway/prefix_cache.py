@@ -161,6 +161,12 @@ class PrefixTracker:
         cache = self._models.get(model)
         return 0 if cache is None else cache.reuse.fleet_blocks
 
+    def fleet_sample_shift(self, model: str) -> int | None:
+        """`fleet_reuse` samples 1 block key in ``2**shift`` (those whose low `shift` bits
+        are 0), each found one counting for ``2**shift`` blocks; None: `model` unknown."""
+        cache = self._models.get(model)
+        return None if cache is None else cache.reuse.sample_shift
+
     def fleet_reuse(self, model: str, blocks: PromptBlocks) -> tuple[int, ...] | None:
         """A request with `blocks` was routed (call once, not per retry): per scale of
         `sal_core.fleet_reuse.SCALES`, the estimated prompt tokens a pooled cache of that

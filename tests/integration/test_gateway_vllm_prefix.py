@@ -325,8 +325,8 @@ def test_the_fleet_reuse_estimate_is_sized_by_vllms_kv_and_finds_a_repeated_prom
     fleet: tuple[list[str], str, Runtime],
 ) -> None:
     """The gateway's estimate of what a cache of the whole fleet's KV would hold: sized by the
-    replicas' own ``kv_blocks_total``, it finds every sampled block (1 key in 16, each standing
-    for 16 blocks) of a prompt sent twice, at x1, x2 and x4, and sees each prompt once."""
+    replicas' own ``kv_blocks_total``, it finds every sampled block (each standing for the
+    blocks it samples) of a prompt sent twice, at x1, x2 and x4, and sees each prompt once."""
     urls, gateway, runtime = fleet
     total = sum(httpx.get(f"{u}/stats", timeout=10.0).json()["kv_blocks_total"] for u in urls)
     assert total > 0
@@ -334,10 +334,14 @@ def test_the_fleet_reuse_estimate_is_sized_by_vllms_kv_and_finds_a_repeated_prom
     while _reuse_metric(httpx.get(f"{gateway}/metrics", timeout=10.0).text, "kv_blocks") != total:
         assert time.monotonic() < deadline, "the estimate never learnt the replicas' KV"
         time.sleep(0.2)
+    assert runtime.prefix is not None
+    shift = runtime.prefix.fleet_sample_shift(MODEL)
+    assert shift is not None
+    mask = (1 << shift) - 1
     rng = random.Random(f"reuse-{runtime.config.routing.prefix_cache}")
     while True:  # 4 full blocks (all reusable: 7 tokens follow), some of them sampled
         prompt = [rng.randrange(10, 1900) for _ in range(4 * BLOCK + 7)]
-        sampled = sum(1 for k in chain_hashes(prompt, BLOCK) if not k & 15)
+        sampled = sum(1 for k in chain_hashes(prompt, BLOCK) if not k & mask)
         if sampled:
             break
     before = httpx.get(f"{gateway}/metrics", timeout=10.0).text
@@ -352,4 +356,4 @@ def test_the_fleet_reuse_estimate_is_sized_by_vllms_kv_and_finds_a_repeated_prom
         hits = _reuse_metric(after, "hit_tokens_total", scale) - _reuse_metric(
             before, "hit_tokens_total", scale
         )
-        assert hits == sampled * 16 * BLOCK, scale
+        assert hits == (sampled << shift) * BLOCK, scale

@@ -133,16 +133,18 @@ def _reuse(text: str, name: str, **labels: str) -> float:
 
 def test_the_fleet_reuse_estimate_sees_each_routed_prompt_once_even_when_retried() -> None:
     """What a pooled cache of the fleet's KV would hold (kv_scale 1, 2, 4), counted once per
-    request: a repeated prompt's sampled blocks (1 in 16, each standing for 16) are found at
-    every scale, and a request retried on a second replica is not counted twice."""
+    request: a repeated prompt's sampled blocks (each standing for the blocks it samples) are
+    found at every scale, and a request retried on a second replica is not counted twice."""
     with gateway_rig(2, routing={"prefix_cache": "approximate"}) as rig:
         _cache_on(rig)
         fleet = sum(f.stats.kv_blocks_total for f in rig.fakes)
         wait_until(lambda: _reuse(rig.metrics(), "kv_blocks") == fleet)
+        shift = rig.runtime.prefix.fleet_sample_shift(MODEL)
+        assert shift is not None
         # A prompt of 40 full blocks whose chained keys include sampled ones.
         for start in range(100):
             prompt = list(range(2000 + start, 2000 + start + 40 * BS + 3))
-            sampled = sum(1 for k in chain_hashes(prompt, BS) if not k & 15)
+            sampled = sum(1 for k in chain_hashes(prompt, BS) if not k & ((1 << shift) - 1))
             if sampled:
                 break
         assert sampled
@@ -165,4 +167,4 @@ def test_the_fleet_reuse_estimate_sees_each_routed_prompt_once_even_when_retried
         text = rig.metrics()
         assert _reuse(text, "prompt_tokens_total") == 2 * len(prompt)
         for scale in ("1", "2", "4"):
-            assert _reuse(text, "hit_tokens_total", kv_scale=scale) == sampled * 16 * BS
+            assert _reuse(text, "hit_tokens_total", kv_scale=scale) == (sampled << shift) * BS

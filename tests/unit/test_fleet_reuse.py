@@ -40,16 +40,16 @@ def test_a_working_set_that_fits_only_twice_the_kv_hits_only_from_x2() -> None:
 
 
 def test_sampled_estimate_agrees_with_the_exact_one_over_many_prompts() -> None:
-    # The default samples 1 block in 16: over 200 prompts of 64 blocks the estimate of the
+    # The default samples 1 block in 16: over 400 prompts of 64 blocks the estimate of the
     # last round lands near the exact count (a broken sample or scaling would be far off).
-    prompts = _prompts(200, 64, seed=1)
+    prompts = _prompts(400, 64, seed=1)
     exact, sampled = FleetReuse(max_sampled_blocks=1 << 20, min_shift=0), FleetReuse()
     for profile in (exact, sampled):
-        profile.set_fleet_blocks(9_000)  # 12,800 blocks cycled: x1 misses, x2 and x4 hit
+        profile.set_fleet_blocks(20_000)  # 25,600 blocks cycled: x1 misses, x2 and x4 hit
     truth = _cycle(exact, prompts, rounds=2)
     estimate = _cycle(sampled, prompts, rounds=2)
-    assert sampled.sample_shift == 4
-    assert truth == [0, 12_800, 12_800]
+    assert (exact.sample_shift, sampled.sample_shift) == (0, 4)
+    assert truth == [0, 25_600, 25_600]
     assert estimate[0] == 0
     for scale in (1, 2):
         assert estimate[scale] == pytest.approx(truth[scale], rel=0.1)
@@ -110,8 +110,20 @@ def test_memory_stays_bounded_by_the_sample_budget_whatever_the_fleet() -> None:
     assert all(not key & mask for cache in profile._caches for key in cache)
 
 
+def test_a_small_fleet_is_sampled_finely_enough_to_keep_a_thousand_keys_at_x1() -> None:
+    shifts = {}
+    for blocks in (80, 2_047, 2_048, 8_000, 16_384, 1_000_000):
+        profile = FleetReuse()
+        profile.set_fleet_blocks(blocks)
+        shifts[blocks] = profile.sample_shift
+    # Exact under 2,048 blocks; 1 in 16 from 16,384 on; coarser once x4 passes 32,768 keys.
+    assert shifts == {80: 0, 2_047: 0, 2_048: 1, 8_000: 2, 16_384: 4, 1_000_000: 7}
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="max_sampled_blocks"):
         FleetReuse(max_sampled_blocks=0)
     with pytest.raises(ValueError, match="min_shift"):
         FleetReuse(min_shift=-1)
+    with pytest.raises(ValueError, match="min_x1_samples"):
+        FleetReuse(min_x1_samples=0)

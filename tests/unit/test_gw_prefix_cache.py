@@ -171,13 +171,14 @@ def test_a_replica_is_tracked_only_once_its_own_poll_reported_caching_on() -> No
     assert not tracker.tracking("other", A)
 
 
-def _sampled_blocks(n_blocks: int, seed: int) -> tuple[list[int], int]:
+def _sampled_blocks(n_blocks: int, seed: int, shift: int) -> tuple[list[int], int]:
     """A prompt of `n_blocks` full blocks and 5 tokens whose reusable blocks include some
-    the fleet-reuse estimate samples (1 key in 16); and how many."""
+    the fleet-reuse estimate samples (1 key in ``2**shift``); and how many."""
     rng = random.Random(seed)
+    mask = (1 << shift) - 1
     while True:
         tokens = [rng.randrange(32_000) for _ in range(n_blocks * BS + 5)]
-        sampled = sum(1 for k in chain_hashes(tokens, BS) if not k & 15)
+        sampled = sum(1 for k in chain_hashes(tokens, BS) if not k & mask)
         if sampled:
             return tokens, sampled
 
@@ -196,10 +197,12 @@ def test_the_fleet_reuse_estimate_is_sized_by_the_replicas_that_cache() -> None:
 
 
 def test_the_fleet_reuse_estimate_counts_a_repeated_prompt_in_tokens_at_every_scale() -> None:
-    tracker = _tracker(kv_blocks_total=1000)
-    tokens, sampled = _sampled_blocks(40, seed=5)
-    assert tracker.fleet_reuse("m", _blocks(tokens)) == (0, 0, 0)
-    # Every sampled block of the reusable 40 stands for 16 blocks of 16 tokens.
-    again = tracker.fleet_reuse("m", _blocks(tokens))
-    assert again == (sampled * 16 * BS,) * 3
+    for blocks, shift in ((1_000, 0), (20_000, 4)):  # 2 replicas: exact, then 1 in 16
+        tracker = _tracker(kv_blocks_total=blocks)
+        assert tracker.fleet_sample_shift("m") == shift
+        tokens, sampled = _sampled_blocks(40, seed=5, shift=shift)
+        assert tracker.fleet_reuse("m", _blocks(tokens)) == (0, 0, 0)
+        # Every sampled block of the reusable 40 stands for 2**shift blocks of 16 tokens.
+        again = tracker.fleet_reuse("m", _blocks(tokens))
+        assert again == ((sampled << shift) * BS,) * 3
     assert tracker.fleet_reuse("m", _blocks(list(range(7, 7 + 40 * BS)))) == (0, 0, 0)
