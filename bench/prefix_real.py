@@ -40,6 +40,7 @@ from typing import Any
 
 from bench.prefix_workload import Replay, make_workload, replay
 from bench.tables import format_table
+from engine_sim.demo import fleet_reuse_rates
 from sal_core.percentile import percentile
 
 HELP = "prefix-cache-aware SAL vs sal_paper vs p2c on real vLLM-on-CPU replicas (hit rate, TTFT)"
@@ -93,6 +94,9 @@ class RunResult:
     """Requests whose prediction equals vLLM's cached_tokens."""
     preemptions: int = 0
     busiest_share: float = 0.0
+    fleet_reuse: dict[str, float] = field(default_factory=dict)
+    """The gateway's fleet-reuse estimate per ``kv_scale`` (`sal_core.fleet_reuse`): hit
+    rate of one LRU cache of that many times the replicas' KV over the prompts routed."""
     cpu_ms_per_request: float = 0.0
     wall_s: float = 0.0
 
@@ -240,6 +244,7 @@ def _summarize(
         )
     ]
     result.busiest_share = max(routed) / sum(routed) if routed and sum(routed) else 0.0
+    result.fleet_reuse = fleet_reuse_rates(gw_metrics)
     result.cpu_ms_per_request = 1000 * cpu_s / max(1, len(outcome.results))
     result.wall_s = outcome.wall_s
     return result
@@ -341,6 +346,12 @@ def report(runs: Sequence[RunResult], args: argparse.Namespace) -> str:
                 _median_range([r.ttft_p95_s for r in rs]),
                 _median_range([float(r.preemptions) for r in rs], "{:.0f}"),
                 _median_range([r.busiest_share for r in rs], "{:.2f}"),
+                " / ".join(
+                    _median_range([r.fleet_reuse.get(k, 0.0) for r in rs], "{:.2f}")
+                    for k in ("1", "2", "4")
+                )
+                if any(r.fleet_reuse for r in rs)
+                else "—",
                 _median_range([r.cpu_ms_per_request for r in rs], "{:.1f}"),
                 sum(r.failed for r in rs),
             ]
@@ -355,6 +366,7 @@ def report(runs: Sequence[RunResult], args: argparse.Namespace) -> str:
         "TTFT p95 s",
         "preemptions",
         "busiest replica share",
+        "fleet-reuse estimate x1 / x2 / x4",
         "CPU ms/request (this process)",
         "failed",
     ]
@@ -410,6 +422,13 @@ def report(runs: Sequence[RunResult], args: argparse.Namespace) -> str:
         "Every run starts with empty caches and a fresh gateway. Median over seeds (min–max).",
         "",
         format_table(headers, rows),
+        "",
+        "The fleet-reuse estimate is what the gateway's `sal_prefix_fleet_reuse_*` metrics "
+        "read at the end of the run: the hit rate one LRU cache of 1, 2 and 4 times the "
+        "replicas' KV would have had over the prompts routed (docs/gateway.md, \"Would "
+        'better routing or more KV keep more?"). Achieved near x1: routing keeps what this '
+        "KV can hold; well below: routing loses reuse; x2, x4 above x1: more KV would keep "
+        "more.",
         "",
         "TTFT of each configuration divided by cache-aware SAL's (`sal+approximate`) in the same "
         "seed's run (> 1: cache-aware SAL is faster); median over seeds (min–max). A ratio whose "

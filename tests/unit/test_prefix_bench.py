@@ -7,6 +7,7 @@ import itertools
 from bench import prefix_bench as pb
 from bench.prefix_real import RunResult, build_parser, report
 from bench.prefix_workload import SYSTEM_TOKENS, make_workload
+from engine_sim.demo import fleet_reuse_rates
 from sal_core.policies import BackendView, RouteRequest, make_policy
 from tests.conftest import DATA_DIR
 
@@ -68,3 +69,23 @@ def test_the_paper_memory_what_if_routes_with_beta_times_the_shortfall() -> None
     request = RouteRequest(prompt_tokens=14_000, beta=15.0)
     assert make_policy("sal").select(request, pool).url == "a"
     assert pb.SalPaperMemory().select(request, pool).url == "b"
+
+
+def test_the_real_path_report_shows_the_gateways_fleet_reuse_estimate() -> None:
+    exposition = "\n".join(
+        [
+            "# HELP sal_prefix_fleet_reuse_prompt_tokens_total ...",
+            'sal_prefix_fleet_reuse_prompt_tokens_total{model="tiny"} 1000.0',
+            'sal_prefix_fleet_reuse_hit_tokens_total{kv_scale="4",model="tiny"} 700.0',
+            'sal_prefix_fleet_reuse_hit_tokens_total{kv_scale="1",model="tiny"} 400.0',
+            'sal_prefix_fleet_reuse_hit_tokens_total{kv_scale="2",model="tiny"} 500.0',
+        ]
+    )
+    rates = fleet_reuse_rates(exposition)
+    assert list(rates.items()) == [("1", 0.4), ("2", 0.5), ("4", 0.7)]  # by scale
+    assert fleet_reuse_rates("") == {}  # nothing routed with a known fleet KV yet
+    runs = [
+        RunResult("sal+approximate", s, 10, prompt_tokens=100, fleet_reuse=rates) for s in (0, 1)
+    ]
+    text = report(runs, build_parser().parse_args(["--seeds", "0,1"]))
+    assert "0.40 (0.40–0.40) / 0.50 (0.50–0.50) / 0.70 (0.70–0.70)" in text
