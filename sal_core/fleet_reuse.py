@@ -19,8 +19,9 @@ Checked against the simulator (`sal-bench prefix --only reuse-profile`,
 docs/results/prefix.md): at x1 its median per scenario was within 2.5 points of the best
 cache-aware router's measured hit rate on all 8 scenarios, and on the Mooncake synthetic
 trace within 0.6 points at x1, x2 and x4 KV. Not a bound: a replica's own cache holds only
-what was routed to it, the pooled cache keeps no running request's blocks apart, and it
-sees prompts only (not the replies a multi-turn prompt repeats).
+what was routed to it, and the pooled cache keeps no running request's blocks apart. Fed
+by the routed prompts (`observe`) it misses the replies a multi-turn prompt repeats and
+other gateways' traffic; blocks the engines report stored (`touch`) add both.
 
 Memory and time stay bounded whatever the fleet: blocks are sampled by key (SHARDS,
 Waldspurger et al., FAST 2015: the LRU of a spatially hashed sample, its capacity scaled by
@@ -123,15 +124,33 @@ class FleetReuse:
         else:
             lookup, sampled = list(keys[:reusable]), list(keys)
         hits = []
-        for cache, capacity in zip(self._caches, self._capacities, strict=True):
+        for cache in self._caches:
             found = 0
             for key in lookup:
                 if key in cache:
                     found += 1
             hits.append(found << shift)
+        self._insert(sampled)
+        return tuple(hits)
+
+    def touch(self, keys: Sequence[int]) -> None:
+        """Blocks with chained `keys` were stored in some replica's cache without this
+        gateway routing them (vLLM's KV events: another gateway's request, or the reply a
+        request decoded): they become the most recently used, nothing is looked up. Keys
+        from different requests may interleave; a request's own keys come parent first."""
+        if self._fleet_blocks <= 0 or not keys:
+            return
+        shift = self._shift
+        if shift:
+            mask = (1 << shift) - 1
+            self._insert([k for k in keys if not k & mask])
+        else:
+            self._insert(list(keys))
+
+    def _insert(self, sampled: list[int]) -> None:
+        for cache, capacity in zip(self._caches, self._capacities, strict=True):
             for key in reversed(sampled):  # child first: a parent stays more recent
                 cache[key] = None
                 cache.move_to_end(key)
             while len(cache) > capacity:
                 cache.popitem(last=False)
-        return tuple(hits)

@@ -15,7 +15,8 @@ Pure bookkeeping on the main event loop (no I/O): one `PrefixTracker` per gatewa
 
 Beside the index, per model, a `sal_core.fleet_reuse.FleetReuse`: what a cache as large as
 the whole tracked fleet's KV (and 2x, 4x that) would have held of each routed prompt
-(`fleet_reuse`), sized by the tracked replicas' capacities summed.
+(`fleet_reuse`), sized by the tracked replicas' capacities summed; in ``kv_events`` mode the
+blocks the engines report stored enter it too (other gateways' requests, decoded replies).
 
 Modes: ``off`` (no tracker; every cached field 0: SAL is Eq. 2 blind to caches), ``approximate``
 (the index of what the gateway routed, evicted by capacity LRU), ``kv_events`` (the same,
@@ -230,10 +231,12 @@ class PrefixTracker:
         return 0 if cache is None else cache.index.size(url)
 
     def store(self, model: str, url: str, keys: Sequence[int]) -> None:
-        """`url`'s engine stored (or reused) these blocks (a KV event): most recent, unheld."""
+        """`url`'s engine stored (or reused) these blocks (a KV event): most recent, unheld;
+        and in the fleet-reuse estimate too, so that it covers every gateway's traffic."""
         cache = self._models.get(model)
         if cache is not None and keys:
             cache.index.insert(url, keys, hold=False)
+            cache.reuse.touch(keys)
 
     def evict(self, model: str, url: str, keys: Sequence[int]) -> None:
         """`url`'s engine evicted these blocks (a KV event)."""

@@ -127,3 +127,13 @@ def test_bad_settings_are_refused() -> None:
         FleetReuse(min_shift=-1)
     with pytest.raises(ValueError, match="min_x1_samples"):
         FleetReuse(min_x1_samples=0)
+
+
+def test_touched_blocks_are_found_by_later_requests_and_age_like_routed_ones() -> None:
+    profile = FleetReuse(min_shift=0)
+    profile.set_fleet_blocks(50)
+    stored, routed = _prompts(2, 40, seed=6)
+    profile.touch(stored)  # stored by a replica for a request this gateway did not route
+    assert profile.observe(stored, 40) == (40, 40, 40)
+    profile.observe(routed, 40)  # 40 newer blocks: x1 (50) keeps only 10 of the older ones
+    assert profile.observe(stored, 40) == (10, 40, 40)

@@ -206,3 +206,18 @@ def test_the_fleet_reuse_estimate_counts_a_repeated_prompt_in_tokens_at_every_sc
         again = tracker.fleet_reuse("m", _blocks(tokens))
         assert again == ((sampled << shift) * BS,) * 3
     assert tracker.fleet_reuse("m", _blocks(list(range(7, 7 + 40 * BS)))) == (0, 0, 0)
+
+
+def test_with_kv_events_the_fleet_reuse_estimate_sees_other_gateways_traffic() -> None:
+    # Blocks a replica reports stored (here: a prompt another gateway routed) count as held
+    # by the pooled cache, so this gateway's first request of that prompt finds them.
+    for mode, found in (("kv_events", True), ("approximate", False)):
+        tracker = PrefixTracker(mode)
+        for url in (A, B):
+            tracker.observe("m", url, _stats(kv_blocks_total=500))
+        assert tracker.fleet_sample_shift("m") == 0  # a small fleet: every key
+        elsewhere = _blocks(CONV)
+        if mode == "kv_events":  # only the event subscribers call store
+            tracker.store("m", B, elsewhere.keys)
+        expected = (10 * BS,) * 3 if found else (0, 0, 0)
+        assert tracker.fleet_reuse("m", elsewhere) == expected
