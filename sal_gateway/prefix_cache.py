@@ -207,6 +207,9 @@ class PrefixTracker:
         if restarted or (replica.caching and not stats.prefix_caching):
             cache.index.remove_backend(url)
             replica.capacity_blocks = -1
+        # What sizes the fleet-reuse estimate (re-summed only when it changed: polls come
+        # ~10x a second from every replica).
+        was = (replica.caching, replica.block_size, replica.capacity_blocks, cache.block_size)
         replica.step = stats.step
         replica.caching = stats.prefix_caching
         replica.block_size = stats.block_size
@@ -216,7 +219,8 @@ class PrefixTracker:
         if capacity != replica.capacity_blocks:
             cache.index.set_capacity(url, capacity)
             replica.capacity_blocks = capacity
-        cache.resize_reuse()
+        if was != (replica.caching, replica.block_size, replica.capacity_blocks, cache.block_size):
+            cache.resize_reuse()
         queries, hits = stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens
         grown = EngineCounters(
             queries - replica.engine_queries if queries >= replica.engine_queries else queries,
