@@ -152,10 +152,10 @@ class Runtime:
             return
         grown = self.prefix.observe(model, url, stats)
         metrics = self.metrics
-        if grown.query_tokens:
-            metrics.prefix_engine_query_tokens.labels(model, url).inc(grown.query_tokens)
-        if grown.hit_tokens:
-            metrics.prefix_engine_hit_tokens.labels(model, url).inc(grown.hit_tokens)
+        # Every polled backend's series exist from its first poll (a rate of 0, not "no
+        # data", until its engine looks up or hits anything).
+        metrics.prefix_engine_query_tokens.labels(model, url).inc(grown.query_tokens)
+        metrics.prefix_engine_hit_tokens.labels(model, url).inc(grown.hit_tokens)
         metrics.prefix_index_blocks.labels(model, url).set(self.prefix.indexed_blocks(model, url))
         metrics.fleet_reuse_kv_blocks.labels(model).set(self.prefix.fleet_blocks(model))
 

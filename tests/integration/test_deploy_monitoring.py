@@ -129,6 +129,9 @@ def test_dashboard_covers_what_operators_watch(dashboard: dict[str, Any]) -> Non
         "sal_adapter_ttft_seconds_bucket",
         "sal_lora_slot_decisions_total",
         "sal_backend_lora_slots_used",
+        "sal_prefix_engine_hit_tokens_total",  # achieved prefix-cache hit rate
+        "sal_prefix_predicted_hit_tokens_total",
+        "sal_prefix_fleet_reuse_hit_tokens_total",  # what the fleet's KV could keep
     } <= used
     queries = " ".join(expr for _, expr in _dashboard_queries(dashboard))
     for quantile in ("0.5", "0.95", "0.99"):
