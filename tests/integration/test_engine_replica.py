@@ -119,6 +119,16 @@ def token_prompt(n_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n_tokens)]
 
 
+def _task_state(task: asyncio.Task[Any]) -> str:
+    """A request task's fate, for an assertion message."""
+    if not task.done():
+        return "running"
+    if task.cancelled():
+        return "cancelled"
+    error = task.exception()
+    return "finished" if error is None else f"failed: {type(error).__name__}: {error}"[:200]
+
+
 async def first_token_order(
     url: str,
     requests: list[tuple[str, int, float, int]],
@@ -467,7 +477,15 @@ class TestTwoApiServers:
                     )
                     for i in range(3)
                 ]
-                await wait_for_stats(polls, larry_url, shows(1, 3, 1800), "three prompts queued")
+                try:
+                    await wait_for_stats(
+                        polls, larry_url, shows(1, 3, 1800), "three prompts queued"
+                    )
+                except AssertionError as exc:  # say what became of the requests (seen once)
+                    raise AssertionError(
+                        f"{exc}; blocker: {_task_state(blocker)}; queued: "
+                        + ", ".join(_task_state(t) for t in queued)
+                    ) from None
                 # Fresh connections: SO_REUSEPORT spreads them over both API servers.
                 for _ in range(20):
                     samples.append(parse_stats((await polls.get(stats_url, headers=fresh)).json()))
