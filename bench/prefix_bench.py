@@ -474,6 +474,72 @@ def run_reuse_profile(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     return rows
 
 
+WORKER_SCENARIOS = ("chat-short-80gb", "chat-short-40gb")
+"""Where several workers' prefix indexes are measured: multi-turn chat where reuse survives."""
+WORKER_ROUTERS = ("sal", "cache_aware", "llm_d")
+WORKER_SETUPS: dict[str, dict[str, Any]] = {
+    "1 gateway": {},
+    "4 workers": {"gateways": 4},
+    "4 workers, told": {"gateways": 4, "share_prefix_index": True},
+    "8 workers": {"gateways": 8},
+    "8 workers, told": {"gateways": 8, "share_prefix_index": True},
+}
+"""The gateway setups of ``--only workers``: workers share their between-poll accounting
+(``listen.share_accounting``) and get connections at random (the kernel spreads a chat
+application's pooled connections over them); "told": ``listen.share_prefix_index``."""
+
+
+def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
+    """One scenario window of `run_workers` (a process of its own)."""
+    sc = next(s for s in SCENARIOS if s.name == name)
+    reqs = workload(ctx, sc, seed)
+    cells = [(r, "approximate", setup) for r in WORKER_ROUTERS for setup in WORKER_SETUPS]
+    cells.append(("sal", "oracle", "8 workers"))
+    rows: list[Row] = []
+    for router, source, setup in cells:
+        extra = WORKER_SETUPS[setup]
+        workers: dict[str, Any] = (
+            {"gateway_split": "random", "shared_accounting": True} if extra else {}
+        )
+        result = simulate(
+            reqs,
+            replicas=sc.replicas,
+            scheduler="fcfs",
+            profile=sc.profile,
+            router=RouterConfig(policy=router, seed=seed, cache_source=source, **workers, **extra),
+            enable_prefix_caching=True,
+        )
+        rows.append(
+            row_of(
+                result, scenario=sc.name, router=router, engine="fcfs", seed=seed,
+                source=source, setup=setup,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def run_workers(ctx: Context, log: Callable[[str], None]) -> list[Row]:
+    """Several workers of one host, each with its own ``approximate`` prefix index, told of
+    each other's routed blocks or not; and, for reference, SAL on the engines' own cache
+    contents (``oracle``: what ``kv_events`` gives every worker) with 8 workers. Two
+    processes, one window each."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [
+        (sc.name, seed)
+        for sc in SCENARIOS
+        if sc.name in WORKER_SCENARIOS
+        for seed in seeds(ctx, sc)
+    ]
+    rows: list[Row] = []
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(_worker_rows, ctx, name, seed) for name, seed in jobs]
+        for (name, seed), future in zip(jobs, futures, strict=True):
+            rows += future.result()
+            log(f"workers {name} seed {seed}: done")
+    return rows
+
+
 def run_azure(ctx: Context, log: Callable[[str], None]) -> list[Row]:
     """No reuse at all: SAL with the router's prefix index must route exactly as without."""
     reqs = load_azure_csv(
@@ -540,6 +606,7 @@ def run(args: argparse.Namespace) -> int:
         "decode-reserve",
         "kv-capacity",
         "reuse-profile",
+        "workers",
         "bound",
     }
     only = set(args.only) if args.only else known
@@ -571,6 +638,7 @@ def run(args: argparse.Namespace) -> int:
         ("decode-reserve", run_decode_reserve),
         ("kv-capacity", run_kv_capacity),
         ("reuse-profile", run_reuse_profile),
+        ("workers", run_workers),
         ("azure", run_azure),
         ("bound", run_bound),
     ):

@@ -424,6 +424,86 @@ def reuse_profile_section(doc: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _setup_ratios(rows: Sequence[Row], a: str, b: str, key: str) -> str:
+    """Paired per window: setup `b`'s `key` over setup `a`'s (> 1: `a` better)."""
+    ra = {r["seed"]: r[key] for r in rows if r["setup"] == a}
+    rb = {r["seed"]: r[key] for r in rows if r["setup"] == b}
+    ratios = [rb[k] / ra[k] for k in sorted(ra) if k in rb and ra[k] > 0]
+    r = spread_of(ratios)
+    if r.n == 0:
+        return "n/a"
+    return f"{r.median:.2f}x [{r.low:.2f}-{r.high:.2f}] {verdict(r)}"
+
+
+def workers_section(doc: dict[str, Any]) -> list[str]:
+    """Several workers of one host (``workers`` rows): each worker's own approximate index
+    against workers told of each other's routed blocks, per scenario and router."""
+    rows = doc["results"].get("workers", [])
+    if not rows:
+        return []
+    lines = [
+        "## Several workers of one host: is the prefix index shared?",
+        "",
+        "`listen.workers` runs several gateway processes on one port; the kernel spreads "
+        "connections over them, so the turns of a conversation sent over a chat "
+        "application's pooled connections reach different workers (simulated: each request "
+        "to a worker at random). The workers share their between-poll accounting in every "
+        "row. Each worker's `approximate` index holds the blocks it routed itself, unless the "
+        'workers tell each other (`listen.share_prefix_index`, on by default: "told"). '
+        "`oracle` is SAL on the engines' true cache contents, what `kv_events` gives every "
+        "worker. `sal-bench prefix --only workers`; "
+        f"{_runs(rows)}; fcfs engines. Ratios are paired per window "
+        "(> 1: the second setup named is better).",
+        "",
+    ]
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        mine = [r for r in rows if r["scenario"] == scenario]
+        lines += [
+            f"### {scenario}",
+            "",
+            "| router | source | setup | TTFT p50 (s) | TTFT p95 (s) | TTFT p99 (s) | hit % "
+            "| preempt /100 |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for router in dict.fromkeys(r["router"] for r in mine):
+            for source in dict.fromkeys(r["source"] for r in mine if r["router"] == router):
+                for setup in dict.fromkeys(r["setup"] for r in mine):
+                    group = [
+                        r
+                        for r in mine
+                        if (r["router"], r["source"], r["setup"]) == (router, source, setup)
+                    ]
+                    if not group:
+                        continue
+                    cells = " | ".join(
+                        _cell(group, key, fmt)
+                        for key, fmt in (
+                            ("ttft_p50_s", "{:.2f}"), ("ttft_p95_s", "{:.2f}"),
+                            ("ttft_p99_s", "{:.2f}"), ("hit_rate", "{:.0%}"),
+                            ("preemptions_per_100", "{:.2f}"),
+                        )
+                    )  # fmt: skip
+                    lines.append(f"| {router} | {source} | {setup} | {cells} |")
+        lines += [
+            "",
+            "| router | workers | p50: alone / told | p95: alone / told | p50: told / 1 gateway "
+            "| p95: told / 1 gateway |",
+            "|---|---|---|---|---|---|",
+        ]
+        for router in dict.fromkeys(r["router"] for r in mine if r["source"] == "approximate"):
+            approx = [r for r in mine if r["router"] == router and r["source"] == "approximate"]
+            for k in (4, 8):
+                alone, told = f"{k} workers", f"{k} workers, told"
+                lines.append(
+                    f"| {router} | {k} | {_setup_ratios(approx, told, alone, 'ttft_p50_s')} "
+                    f"| {_setup_ratios(approx, told, alone, 'ttft_p95_s')} "
+                    f"| {_setup_ratios(approx, '1 gateway', told, 'ttft_p50_s')} "
+                    f"| {_setup_ratios(approx, '1 gateway', told, 'ttft_p95_s')} |"
+                )
+        lines.append("")
+    return lines
+
+
 def bound_table(doc: dict[str, Any]) -> list[str]:
     """The "what any router could gain" section: per scenario (fcfs engines), the hit rate
     an infinite cache would reach against SAL's and the best baseline's, and each one's p50
@@ -496,6 +576,7 @@ def write_report(doc: dict[str, Any], path: Path) -> None:
         *bound_table(doc),
         *kv_capacity_section(doc),
         *reuse_profile_section(doc),
+        *workers_section(doc),
     ]
     for sc in doc["scenarios"]:
         rows = doc["results"].get(sc["name"])

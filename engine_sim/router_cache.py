@@ -15,7 +15,9 @@ The simulator's router fills `BackendView.cached_tokens` / ``cached_held_tokens`
 
 Who calls it: `engine_sim.simulator.Simulation`, once per routing decision (`lookup` for
 every replica, `on_route` for the chosen one), once per finished request (`on_finish`) and
-once per snapshot that reaches the router (`on_snapshot`).
+once per snapshot that reaches the router (`on_snapshot`); with several gateways that share
+their indexes, once per decision of every other gateway (`on_told`) and once per request
+another gateway saw finish (`on_finish`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ class RouterCache:
     def on_route(self, replica: int, keys: Sequence[int]) -> None:
         if self.source == "approximate" and keys:
             self._index.insert(self._urls[replica], keys, hold=True)
+
+    def on_told(self, replica: int, keys: Sequence[int]) -> None:
+        """Another gateway routed a prompt with block `keys` to `replica` (it told this one,
+        ``listen.share_prefix_index``): cached there, most recent, held until `on_finish`
+        (the other gateway tells that too)."""
+        self.on_route(replica, keys)
 
     def on_finish(self, replica: int, keys: Sequence[int]) -> None:
         if self.source == "approximate" and keys:

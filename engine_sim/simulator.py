@@ -130,7 +130,14 @@ class RouterConfig:
     """Independent gateways in front of the same replicas (see the module docstring)."""
     gateway_split: str = "round_robin"
     """How arrivals are split among the gateways: ``"round_robin"`` by arrival order or
-    ``"random"`` (seeded by `seed`), as a Kubernetes Service or a shared port does."""
+    ``"random"`` (seeded by `seed`), as a Kubernetes Service or a shared port does with many
+    clients' connections; ``"session"``: each conversation's requests all reach the gateway
+    its first one reached (a client whose keep-alive connection carries the conversation)."""
+    share_prefix_index: bool = False
+    """Several gateways (`gateways` > 1) tell each other, at once, the blocks of every prompt
+    they route and when its request ends (``listen.share_prefix_index``: the workers of one
+    host), so each one's ``approximate`` index holds, and holds for as long, what every
+    gateway routed."""
     cache_source: str = "none"
     """What the router knows of each replica's prefix cache (`engine_sim.router_cache`):
     ``"none"``, ``"approximate"`` (its own index of routed blocks; each gateway its own) or
@@ -250,7 +257,7 @@ class RoutingRecord(NamedTuple):
 
 ACCOUNTING = ("ticket", "reset")
 """Between-poll accounting rules (`RouterConfig.accounting`)."""
-GATEWAY_SPLITS = ("round_robin", "random")
+GATEWAY_SPLITS = ("round_robin", "random", "session")
 """How arrivals are split among several gateways (`RouterConfig.gateway_split`)."""
 
 
@@ -399,7 +406,7 @@ class Simulation:
             make_policy(cfg.policy, cfg.seed + g, settings) for g in range(1, cfg.gateways)
         ]
         self._betas = [BetaEstimator(seed=cfg.beta_seed) for _ in range(cfg.gateways)]
-        self._gateway_of = _split(len(self._requests), cfg)
+        self._gateway_of = _split(self._requests, cfg)
         self._max_sim_s = math.inf if max_sim_s is None else max_sim_s
         self._urls = [f"sim://replica-{i}" for i in range(len(engines))]
         first_s = self._requests[0].arrival_s if self._requests else 0.0
@@ -628,6 +635,10 @@ class Simulation:
         )
         if keys:
             cache.on_route(replica, keys)
+            if self._router_cfg.share_prefix_index:
+                for other in self._caches:
+                    if other is not cache:
+                        other.on_told(replica, keys)
             self._keys[request_id] = keys
             self._predicted[request_id] = holds[replica].cached_tokens
         self._routed[replica] += 1
@@ -707,7 +718,9 @@ class Simulation:
             self._counts_changed(gateway, now_s)
             keys = self._keys.pop(request_id, None)
             if keys is not None:
-                self._caches[gateway].on_finish(replica, keys)
+                told = self._caches if self._router_cfg.share_prefix_index else ()
+                for cache in told or (self._caches[gateway],):
+                    cache.on_finish(replica, keys)
             self._betas[gateway].observe(req.prompt_tokens, req.output_tokens)
             self._outcomes.append(
                 RequestOutcome(
@@ -732,13 +745,23 @@ class Simulation:
             self._late += 1
 
 
-def _split(n: int, config: RouterConfig) -> list[int]:
-    """The gateway of each of `n` arrivals (in arrival order)."""
+def _split(requests: Sequence[TraceRequest], config: RouterConfig) -> list[int]:
+    """The gateway of each request (in arrival order)."""
     k = config.gateways
+    if config.gateway_split == "session":
+        # A conversation stays with the gateway its first turn reached (a client's keep-alive
+        # connection stays with one worker); a request with no session goes anywhere.
+        rng = random.Random(f"gateway-split-{config.seed}")
+        of_session: dict[str, int] = {}
+        out = []
+        for r in requests:
+            g = rng.randrange(k)
+            out.append(g if r.session is None else of_session.setdefault(r.session, g))
+        return out
     if config.gateway_split == "random":
         rng = random.Random(f"gateway-split-{config.seed}")
-        return [rng.randrange(k) for _ in range(n)]
-    return [i % k for i in range(n)]
+        return [rng.randrange(k) for _ in range(len(requests))]
+    return [i % k for i in range(len(requests))]
 
 
 def _affinity_key(req: TraceRequest) -> str | None:

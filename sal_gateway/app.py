@@ -63,6 +63,7 @@ from sal_gateway.model_catalog import (
 from sal_gateway.peers import BothCounts, PeerLink, PeerNetwork, group_of, open_peer_link
 from sal_gateway.poller import Poller
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
+from sal_gateway.prefix_share import PrefixShare, ShareSpec
 from sal_gateway.proxy import Forwarder, make_session
 from sal_gateway.request_body import Endpoint, InboundRequest
 from sal_gateway.shared_accounting import SharedAccounting
@@ -121,6 +122,8 @@ class Runtime:
     """Whether the process is shutting down (`sal_gateway.drain`)."""
     peers: PeerNetwork | None = None
     """The exchange of between-poll accounting with gateways on other hosts (``peers``)."""
+    prefix_share: PrefixShare | None = None
+    """The exchange of routed prompt blocks with this host's other workers."""
 
     async def aclose(self) -> None:
         for task in self.tasks:
@@ -133,6 +136,8 @@ class Runtime:
             await self.kv_events.stop()
         if self.peers is not None:
             await self.peers.close()
+        if self.prefix_share is not None:
+            await self.prefix_share.aclose()
         await self.forwarder.aclose()
         await self.session.close()
 
@@ -219,10 +224,13 @@ async def build_runtime(
     drain: Drain | None = None,
     accounting: SharedAccounting | None = None,
     peer_link: PeerLink | None = None,
+    prefix_share: ShareSpec | None = None,
 ) -> Runtime:
     """Build and start everything (pollers, discovery); call inside the running loop.
     `drain`: the process's shutdown state (`sal_gateway.drain`; a new one when None);
     `accounting`: the workers' shared between-poll accounting (None: this process alone);
+    `prefix_share`: this worker's end of the workers' prefix-index exchange (used with
+    ``routing.prefix_cache: approximate``; None: not shared);
     `peer_link`: the secret and bound socket of ``peers`` (`open_peer_link`; None: off)."""
     drain = Drain() if drain is None else drain
     if counters is None:
@@ -291,6 +299,17 @@ async def build_runtime(
     )
     if prefix is not None:
         poller.on_stats = runtime.on_stats
+    if prefix is not None and prefix_share is not None and routing.prefix_cache == "approximate":
+        outcomes = metrics.prefix_share_messages
+        share = PrefixShare(prefix_share, prefix.told, lambda o: outcomes.labels(o).inc())
+        try:
+            await share.start()
+        except OSError as exc:  # the folder vanished, a path too long for a Unix socket
+            logger.warning("prefix index not shared with the other workers: %s", exc)
+            await share.aclose()
+        else:
+            prefix.on_hold = share.tell
+            runtime.prefix_share = share
     if prefix is not None and routing.prefix_cache == "kv_events":
         from sal_gateway.kv_subscriber import KvEventSubscribers
 
@@ -502,9 +521,11 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
     accounting: SharedAccounting | None = None,
+    prefix_share: ShareSpec | None = None,
 ) -> FastAPI:
     """The gateway app. `counters` (preloaded tokenizers, as the CLI does) avoids loading them
     again; `resolve` replaces DNS resolution for discovery (tests); `clock` is monotonic;
+    `accounting` / `prefix_share`: what a worker shares with the others (`build_runtime`);
     `tracing` replaces the one ``config.tracing`` describes (tests: an in-memory exporter).
     Raises `TracingError` when tracing is enabled but cannot be set up."""
     upstream_key = backend_key(config.auth)  # read now: a bad key file fails before serving
@@ -523,6 +544,7 @@ def create_app(
             drain=drain,
             accounting=accounting,
             peer_link=peer_link,
+            prefix_share=prefix_share,
         )
         runtime.backend_key = upstream_key
         _start_model_refresh(runtime)

@@ -33,6 +33,7 @@ from sal_gateway.tokenizer import TokenizerLoadError
 from sal_gateway.tracing import TracingError
 
 if TYPE_CHECKING:
+    from sal_gateway.prefix_share import ShareSpec
     from sal_gateway.shared_accounting import SharedAccounting
 
 EXIT_BAD_CONFIG = 2
@@ -125,12 +126,14 @@ def serve(
     config: GatewayConfig,
     sockets: list[socket.socket] | None = None,
     accounting: SharedAccounting | None = None,
+    prefix_share: ShareSpec | None = None,
 ) -> None:
     """Load tokenizers, then run uvicorn until interrupted (raises `TokenizerLoadError`).
 
     With `sockets` (a `sal_gateway.workers` worker) uvicorn serves on those bound sockets
     instead of binding ``listen.host:listen.port`` itself; `accounting` is the workers'
-    shared between-poll accounting (`sal_gateway.shared_accounting`).
+    shared between-poll accounting (`sal_gateway.shared_accounting`), `prefix_share` this
+    worker's end of their prefix-index exchange (`sal_gateway.prefix_share`).
     """
     import uvicorn
 
@@ -142,7 +145,7 @@ def serve(
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config, counters=counters, accounting=accounting)
+    app = create_app(config, counters=counters, accounting=accounting, prefix_share=prefix_share)
 
     def on_timeout(reason: str) -> None:
         runtime: Runtime | None = getattr(app.state, "runtime", None)
@@ -176,7 +179,10 @@ def serve(
 
 
 def serve_worker(
-    config: GatewayConfig, sockets: list[socket.socket], accounting: SharedAccounting | None
+    config: GatewayConfig,
+    sockets: list[socket.socket],
+    accounting: SharedAccounting | None,
+    prefix_share: ShareSpec | None,
 ) -> None:
     """`serve` in a worker process (spawned: it does not inherit the parent's modules) without
     PyTorch, as `console_main`; a config error exits 2 with one line, as `main` does."""
@@ -184,7 +190,7 @@ def serve_worker(
 
     keep_torch_out()
     try:
-        serve(config, sockets, accounting)
+        serve(config, sockets, accounting, prefix_share)
     except (TokenizerLoadError, AuthConfigError, TracingError, PeersError) as exc:
         print(f"sal-gateway: bad config: {_one_line(exc)}", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)

@@ -86,6 +86,7 @@ def _workers(path: str, data: Mapping[str, Any], port: int) -> dict[str, Any]:
     if first is not None:
         first = _as_int(f"{path}.worker_ports_from", first, 0)
     share = _as_bool(f"{path}.share_accounting", data.get("share_accounting", True))
+    share_prefix = _as_bool(f"{path}.share_prefix_index", data.get("share_prefix_index", True))
     listen = ListenConfig(port=port, workers=workers, worker_ports_from=first)
     ports = [p for p in listen.worker_ports() if p]
     if ports and ports[-1] > 65535:
@@ -97,7 +98,12 @@ def _workers(path: str, data: Mapping[str, Any], port: int) -> dict[str, Any]:
             f"{path}.worker_ports_from: the worker ports {ports[0]}-{ports[-1]} include "
             f"{path}.port {port}"
         )
-    return {"workers": workers, "worker_ports_from": first, "share_accounting": share}
+    return {
+        "workers": workers,
+        "worker_ports_from": first,
+        "share_accounting": share,
+        "share_prefix_index": share_prefix,
+    }
 
 
 def _discovery(path: str, data: Mapping[str, Any]) -> DiscoveryConfig:

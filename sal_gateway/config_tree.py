@@ -57,6 +57,11 @@ class ListenConfig:
     """With `workers` > 1, the workers share their between-poll accounting and in-flight
     counts through shared memory (`sal_gateway.shared_accounting`), so they route as one
     gateway; False: each decides on its own counts only (they herd)."""
+    share_prefix_index: bool = True
+    """With `workers` > 1 and ``routing.prefix_cache: approximate``, each worker tells the
+    others the prompt blocks it routes (`sal_gateway.prefix_share`), so a conversation's next
+    turn finds its prefix whichever worker its connection reached; False: each worker knows
+    only the blocks it routed itself."""
 
     def worker_ports(self) -> tuple[int, ...]:
         """Each worker's own port (0: any free one); empty with one worker."""

@@ -353,6 +353,14 @@ class GatewayMetrics:
             ["model", "kv_scale"],
             registry=r,
         )
+        self.prefix_share_messages = Counter(
+            "sal_prefix_share_messages",
+            "Prompt-block messages between the workers of one host (listen.share_prefix_index), "
+            "by outcome: sent, dropped (the receiving worker had no room or was not up), "
+            "received, garbled",
+            ["outcome"],
+            registry=r,
+        )
         self.fleet_reuse_kv_blocks = Gauge(
             "sal_prefix_fleet_reuse_kv_blocks",
             "The tracked fleet's KV in blocks (every backend with prefix caching on, summed): "

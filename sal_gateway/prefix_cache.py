@@ -101,6 +101,10 @@ class PrefixTracker:
             raise ValueError(f"prefix cache mode must be approximate or kv_events, got {mode!r}")
         self.mode = mode
         self._models: dict[str, _ModelCache] = {}
+        self.on_hold: Callable[[str, str, Sequence[int], bool], None] | None = None
+        """Called with ``(model, url, keys, True)`` after every `hold` that indexed blocks,
+        and with ``False`` when that hold is released: the workers'
+        `sal_gateway.prefix_share` tells the other workers (None: nobody)."""
 
     def _model(self, model: str) -> _ModelCache:
         cache = self._models.get(model)
@@ -191,7 +195,16 @@ class PrefixTracker:
             return None
         index, keys = cache.index, blocks.keys
         index.insert(url, keys, hold=True)
-        return lambda: index.release(url, keys)
+        tell = self.on_hold
+        if tell is None:
+            return lambda: index.release(url, keys)
+        tell(model, url, keys, True)
+
+        def release() -> None:
+            index.release(url, keys)
+            tell(model, url, keys, False)
+
+        return release
 
     # --- what the pollers and the event subscribers report -----------------------------
 
@@ -240,6 +253,22 @@ class PrefixTracker:
         cache = self._models.get(model)
         if cache is not None and keys:
             cache.index.insert(url, keys, hold=False)
+            cache.reuse.touch(keys)
+
+    def told(self, model: str, url: str, keys: Sequence[int], held: bool) -> None:
+        """Another worker of this host routed a prompt with these blocks to `url` (`held`),
+        or that request ended (not `held`) (`sal_gateway.prefix_share`). Routed: cached
+        there, most recent, held until the other worker says the request ended; and in the
+        fleet-reuse estimate, so that it covers every worker's traffic. Ended: unheld, as
+        `hold`'s release. A routed message is ignored unless this worker tracks `url` for
+        `model` (`tracking`): an unknown backend's entry would have no capacity bound."""
+        cache = self._models.get(model)
+        if cache is None or not keys:
+            return
+        if not held:
+            cache.index.release(url, keys)
+        elif self.tracking(model, url):
+            cache.index.insert(url, keys, hold=True)
             cache.reuse.touch(keys)
 
     def evict(self, model: str, url: str, keys: Sequence[int]) -> None:

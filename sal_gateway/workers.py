@@ -7,7 +7,10 @@ gateway: its own tokenizers, pollers, beta estimate and metrics. What they share
 (``listen.share_accounting``, on by default) is the between-poll accounting: the parent
 creates one shared-memory block (`sal_gateway.shared_accounting`) and every worker publishes
 there what it routed to each backend since its last snapshot, and reads the others', so the
-workers route as one gateway rather than herding like independent ones.
+workers route as one gateway rather than herding like independent ones. With
+``routing.prefix_cache: approximate`` they also tell each other the prompt blocks they route
+(``listen.share_prefix_index``, on by default; `sal_gateway.prefix_share`), so each worker's
+prefix index holds every worker's routing.
 
 Metrics: a scrape of the shared port reaches one worker chosen by the kernel, so it sees
 only that worker's counters. Each worker therefore also listens alone on its own port
@@ -36,13 +39,17 @@ from multiprocessing.connection import wait
 from types import FrameType
 
 from sal_gateway.config import GatewayConfig
+from sal_gateway.prefix_share import ShareSpec, create_folder, remove_folder
 from sal_gateway.shared_accounting import SharedAccounting, SharedAccountingError
 
 log = logging.getLogger("sal_gateway.workers")
 
-WorkerServe = Callable[[GatewayConfig, list[socket.socket], SharedAccounting | None], None]
-"""Runs one gateway on already-bound sockets, with the workers' shared accounting (None:
-not shared), until it is told to stop (`cli.serve`)."""
+WorkerServe = Callable[
+    [GatewayConfig, list[socket.socket], SharedAccounting | None, ShareSpec | None], None
+]
+"""Runs one gateway on already-bound sockets, with the workers' shared accounting and its
+end of the prefix-index exchange (None: not shared), until it is told to stop
+(`cli.serve`)."""
 
 
 class WorkersError(RuntimeError):
@@ -81,9 +88,11 @@ def _worker_main(
     port: int,
     own_port: int,
     accounting_name: str | None,
+    share_folder: str | None,
 ) -> None:
     """Entry point of worker `index` (a spawned process): bind both sockets, attach the
-    shared accounting (`accounting_name`; None: not shared), then serve."""
+    shared accounting (`accounting_name`; None: not shared), then serve; `share_folder`
+    holds the workers' prefix-index sockets (`sal_gateway.prefix_share`; None: not shared)."""
     listen = config.listen
     try:
         shared = bind_socket(listen.host, port, reuse_port=True)
@@ -103,7 +112,8 @@ def _worker_main(
     # Each worker its own UDP port for `peers` (a datagram reaches one socket only).
     config = dataclasses.replace(config, peers=config.peers.for_worker(index, listen.workers))
     try:
-        serve(config, [shared, own], accounting)
+        spec = None if share_folder is None else ShareSpec(share_folder, index, listen.workers)
+        serve(config, [shared, own], accounting, spec)
     finally:
         if accounting is not None:
             accounting.close()
@@ -132,11 +142,22 @@ def run_workers(config: GatewayConfig, serve: WorkerServe) -> int:
                 flush=True,
             )
     name = None if accounting is None else accounting.name
+    share_folder = None
+    if listen.share_prefix_index and config.routing.prefix_cache == "approximate":
+        try:
+            share_folder = create_folder()
+        except OSError as exc:  # no writable temporary folder
+            print(
+                f"sal-gateway: cannot create the prefix-index exchange ({exc}); each worker "
+                "knows only the prompt blocks it routed",
+                file=sys.stderr,
+                flush=True,
+            )
     ctx = multiprocessing.get_context("spawn")
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(serve, config, i, port, own_port, name),
+            args=(serve, config, i, port, own_port, name, share_folder),
             name=f"sal-gateway-worker-{i}",
         )
         for i, own_port in enumerate(listen.worker_ports())
@@ -189,4 +210,6 @@ def run_workers(config: GatewayConfig, serve: WorkerServe) -> int:
         placeholder.close()
         if accounting is not None:
             accounting.close()  # and unlink: every worker has stopped
+        if share_folder is not None:
+            remove_folder(share_folder)
     return status

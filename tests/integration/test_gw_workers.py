@@ -197,3 +197,55 @@ def test_a_worker_counts_the_lora_slot_the_other_worker_just_filled(
     other = {"a": "b", "b": "a"}[took]
     assert chosen == (other if share else took), (took, chosen)
     assert (steered or 0.0) == (1.0 if share else 0.0)
+
+
+def _queue_seen(worker: str, url: str, queued: float) -> None:
+    """Wait until `worker` reports `queued` prefill tokens on backend `url`."""
+    deadline = time.monotonic() + 30
+    seen = None
+    while time.monotonic() < deadline:
+        seen = metric(scrape_metrics(worker), "sal_backend_queued_prefill_tokens", backend=url)
+        if seen == queued:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"{worker} saw {seen} queued tokens on {url}, not {queued}")
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_conversation_follows_its_prefix_whichever_worker_its_turns_reach(
+    tmp_path: Path, share: bool
+) -> None:
+    """Turn 1 of a conversation goes through worker 0 while replica a looks busy, so it runs
+    on b; then both replicas look idle and turn 2 (turn 1 plus a new message) goes through
+    worker 1, as when a client's connections reach different workers. Worker 1 never routed
+    turn 1: told by worker 0 (``listen.share_prefix_index``, the default) it sends turn 2
+    where its 100 blocks are cached, b; on its own it sees an idle tie and sends it to a,
+    which would prefill the whole conversation again."""
+    fake_ports, gw_port, own = _ports()
+    turn1 = list(range(1000, 1000 + 100 * 16 + 3))  # past routing.prefix_min_match_tokens
+    turn2 = [*turn1, *range(50, 90)]
+    with fake_procs(tmp_path, fake_ports) as (a, b):
+        for fake in (a, b):
+            fake.fault(stats={"prefix_caching": True, "prefix_hash_algo": "sha256"})
+        a.fault(stats={"queued_prefill_tokens": 50_000})
+        config = _two_workers(gw_port, own, [a.url, b.url], "sal", share_prefix_index=share)
+        with run_gateway(config):
+            for port in own:
+                _ready(port)
+            worker0, worker1 = (f"http://127.0.0.1:{p}" for p in own)
+            _queue_seen(worker0, a.url, 50_000)
+            body = {"model": "tiny", "prompt": turn1, "max_tokens": 2}
+            first = httpx.post(f"{worker0}/v1/completions", json=body, timeout=30)
+            assert first.status_code == 200, first.text
+            assert first.headers["x-fake-backend"] == "b"
+            a.fault(stats={"queued_prefill_tokens": 0})
+            for url in (a.url, b.url):
+                _queue_seen(worker1, url, 0)
+            body = {"model": "tiny", "prompt": turn2, "max_tokens": 2}
+            second = httpx.post(f"{worker1}/v1/completions", json=body, timeout=30)
+            assert second.status_code == 200, second.text
+            told = metric(
+                scrape_metrics(worker1), "sal_prefix_share_messages_total", outcome="received"
+            )
+    assert second.headers["x-fake-backend"] == ("b" if share else "a")
+    assert told == (2.0 if share else 0.0)  # turn 1 routed, then ended

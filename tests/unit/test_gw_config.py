@@ -279,3 +279,12 @@ def test_workers_share_their_accounting_unless_told_not_to() -> None:
     assert off.listen.share_accounting is False
     with pytest.raises(ConfigError, match=r"listen\.share_accounting: expected true or false"):
         build_config({**base, "listen": {"share_accounting": "yes"}})
+
+
+def test_workers_share_their_prefix_index_unless_told_not_to() -> None:
+    base: dict[str, object] = {"models": [{"name": "m", "backends": ["http://a:1"]}]}
+    assert build_config({**base, "listen": {"workers": 4}}).listen.share_prefix_index is True
+    off = build_config({**base, "listen": {"workers": 4, "share_prefix_index": False}})
+    assert off.listen.share_prefix_index is False
+    with pytest.raises(ConfigError, match=r"listen\.share_prefix_index: expected true or false"):
+        build_config({**base, "listen": {"share_prefix_index": 1}})

@@ -237,3 +237,26 @@ def test_the_fleet_reuse_estimate_is_set_beside_the_best_measured_hit_rate(tmp_p
     assert "## Telling the regime from the gateway: the fleet-reuse estimate" in text
     assert "| s | x1 | 32.0% | 31.0% | +1.0 (-1.0 to +3.0) | 28.0% | 5.0% |" in text
     assert "| s | x2 | 52.0% | 50.0% | +2.0 (+0.0 to +6.0) | 50.0% | 10.0% |" in text
+
+
+def test_the_workers_section_pairs_told_workers_against_alone_and_one_gateway(
+    tmp_path: Path,
+) -> None:
+    # Per window: one gateway 1.0 s, 4 workers alone 3x worse, told 1.1x one gateway's.
+    rows = []
+    for seed, scale in enumerate((1.0, 1.2, 0.9)):
+        for setup, p50 in (("1 gateway", 1.0), ("4 workers", 3.0), ("4 workers, told", 1.1)):
+            rows.append(
+                _row("sal", seed, p50 * scale, source="approximate", setup=setup, hit_rate=0.7)
+            )
+        rows.append(_row("sal", seed, 1.0, source="oracle", setup="8 workers"))
+    doc = _doc([], "reuse survives")
+    doc["results"]["workers"] = rows
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    assert "## Several workers of one host: is the prefix index shared?" in text
+    assert "| sal | approximate | 4 workers | 3.00 (2.70-3.60) |" in text
+    assert "| sal | oracle | 8 workers | 1.00 |" in text
+    # alone / told: 3.0 / 1.1 on every window, a win for telling; told / one gateway 1.1x.
+    assert "| sal | 4 | 2.73x [2.73-2.73] win | 2.73x [2.73-2.73] win | 1.10x [1.10-1.10]" in text
+    assert "| sal | 8 | n/a | n/a | n/a | n/a |" in text

@@ -163,3 +163,44 @@ def test_bad_gateway_settings_are_refused() -> None:
         RouterConfig(gateways=0)
     with pytest.raises(SimulationError, match="gateway_split"):
         RouterConfig(gateways=2, gateway_split="hash")
+
+
+def _chat() -> list[TraceRequest]:
+    from engine_sim.workloads import ChatSpec, multi_turn_chat
+
+    lengths = [(300 + 97 * i % 900, 50 + 31 * i % 300) for i in range(200)]
+    spec = ChatSpec(conversations=40, rate_per_s=2.0, think_time_s=(2.0, 10.0))
+    return multi_turn_chat(spec, lengths, seed=3)
+
+
+def test_a_session_split_keeps_each_conversation_on_one_gateway() -> None:
+    reqs = _chat()
+    router = RouterConfig("sal", gateways=4, gateway_split="session", seed=1)
+    result = simulate(reqs, replicas=2, router=router, enable_prefix_caching=True)
+    by_time = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
+    gateways: dict[str | None, set[int]] = {}
+    for i, d in zip(by_time, result.decisions, strict=True):
+        gateways.setdefault(reqs[i].session, set()).add(d.gateway)
+    assert len(gateways) == 40
+    assert all(len(g) == 1 for g in gateways.values())
+    assert len(set().union(*gateways.values())) == 4
+
+
+def test_workers_told_each_others_blocks_keep_the_reuse_one_gateway_keeps() -> None:
+    """Conversations whose turns reach 4 workers at random: each worker's own index misses
+    the turns it did not route, and the fleet prefills them again; told of each other's
+    blocks (``listen.share_prefix_index``) they find them as one gateway does."""
+    reqs = _chat()
+
+    def hit_rate(**kw: object) -> float:
+        router = RouterConfig("sal", seed=1, cache_source="approximate", **kw)  # type: ignore[arg-type]
+        result = simulate(reqs, replicas=4, router=router, enable_prefix_caching=True)
+        assert result.unfinished == 0
+        return result.summary.hit_rate
+
+    workers = {"gateways": 4, "gateway_split": "random", "shared_accounting": True}
+    one = hit_rate()
+    alone = hit_rate(**workers)
+    told = hit_rate(**workers, share_prefix_index=True)
+    assert alone < one - 0.15
+    assert told > one - 0.05
