@@ -7,7 +7,9 @@ KV-cache events, the gateway in this process (``routing.policy: sal``, once per 
 phantom request in flight in the gateway's table makes one replica look busier, so that a
 cache-blind SAL (ties between idle replicas broken by fewer requests in flight) would send
 each follow-up turn to the *other* replica; the cache-aware one must send it back to the
-replica that holds its prefix, in both directions.
+replica that holds its prefix, in both directions. Last, the gateway as the CLI runs it with
+two workers: a turn through the worker that did not route the turn before it finds its prefix
+only when the workers share their index.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from sal_core.prefix import chain_hashes
 from sal_gateway.app import Runtime, create_app
 from sal_gateway.config import build_config
 from sal_gateway.state import BackendState
-from tests.gateway_support import free_port
+from tests.gateway_support import free_port, gateway_config, run_gateway
 from tests.vllm_support import run_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -357,3 +359,90 @@ def test_the_fleet_reuse_estimate_is_sized_by_vllms_kv_and_finds_a_repeated_prom
             before, "hit_tokens_total", scale
         )
         assert hits == (sampled << shift) * BLOCK, scale
+
+
+def _three_free_ports(start: int, stop: int) -> int:
+    """A port p in [start, stop) with p, p + 1 and p + 2 free: a gateway and its two
+    workers' own ports (``listen.port`` + 1 + i)."""
+    port = start
+    while port + 2 < stop:
+        port = free_port(port, stop)
+        if free_port(port + 1, stop) == port + 1 and free_port(port + 2, stop) == port + 2:
+            return port
+        port += 1
+    raise RuntimeError(f"no three consecutive free ports in [{start}, {stop})")
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_turn_through_another_worker_finds_its_prefix_when_the_workers_share(
+    replicas: tuple[list[str], list[str]], share: bool
+) -> None:
+    """Two gateway workers (the CLI, ``listen.workers: 2``) in front of the two real
+    replicas. Turn 1 of a conversation goes through worker 0, turn 2 through worker 1, as
+    when a client's pooled connections reach different workers. Worker 1 never routed turn
+    1: told by worker 0 (``listen.share_prefix_index``, the default) it predicts turn 1's
+    blocks on the replica that ran it, sends turn 2 there, and vLLM serves those blocks
+    from its cache (its own ``cached_tokens``); on its own it predicts nothing."""
+    urls, _ = replicas
+    port = _three_free_ports(19760, 19800)
+    config = gateway_config(
+        port,
+        urls,
+        tokenizer=None,
+        extra={
+            "listen": {
+                "host": "127.0.0.1",
+                "port": port,
+                "workers": 2,
+                "share_prefix_index": share,
+            },
+            "limits": {"body_workers": 1},
+            "log_level": "warning",
+        },
+    )
+    config["routing"].update(
+        {"prefix_min_match_tokens": 0, "poll_timeout_s": 1.0, "stale_after_s": 3.0}
+    )
+    rng = random.Random(f"workers-{share}")
+    conv = [rng.randrange(10, 1900) for _ in range(5 * BLOCK + 20)]
+    worker0, worker1 = (f"http://127.0.0.1:{port + 1 + i}" for i in range(2))
+    with run_gateway(config):
+        _wait_tracked(worker0, urls)
+        _wait_tracked(worker1, urls)
+        before = [_counters(u) for u in urls]
+        first = _complete(worker0, conv)
+        ran = _served_by(urls, before, conv)
+        turn2 = [*conv, *first["choices"][0]["token_ids"], *range(40, 80)]
+        before = [_counters(u) for u in urls]
+        second = _complete(worker1, turn2)
+        served = _served_by(urls, before, turn2)
+        predicted = re.findall(
+            r"^sal_prefix_predicted_hit_tokens_total\{[^}]*\} ([0-9.e+]+)$",
+            httpx.get(f"{worker1}/metrics", timeout=10.0).text,
+            re.M,
+        )
+    predicted_tokens = sum(float(v) for v in predicted)
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    if share:
+        assert predicted_tokens >= 5 * BLOCK  # turn 1's blocks, learnt from worker 0
+        assert served == ran
+        assert cached >= 5 * BLOCK  # vLLM's own word: they were reused
+    else:
+        assert predicted_tokens == 0
+
+
+def _wait_tracked(worker: str, urls: list[str]) -> None:
+    """Until `worker` is up (its own port: the shared one answered for one worker) and has
+    polled both replicas' prefix caches."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            text = httpx.get(f"{worker}/metrics", timeout=10.0).text
+        except httpx.HTTPError:
+            text = ""
+        if all(f'backend="{u}"' in text and "sal_prefix_engine_query_tokens" in text for u in urls):
+            polled = re.findall(r"^sal_prefix_engine_query_tokens_total\{[^}]*\}", text, re.M)
+            if len(polled) >= len(urls):
+                return
+        assert time.monotonic() < deadline, f"{worker} never polled every replica's cache"
+        time.sleep(0.2)
