@@ -271,7 +271,71 @@ def time_prefix_tracking(
             request, table.views(_MODEL, 0.5)
         ),
     }
-    return [PrefixCost(name, *_timed(fn, reps)) for name, fn in steps.items()]
+    costs = [PrefixCost(name, *_timed(fn, reps)) for name, fn in steps.items()]
+    return costs + _time_prefix_share(keys, url, workers=8, reps=reps)
+
+
+def _time_prefix_share(
+    keys: tuple[int, ...], url: str, workers: int, reps: int
+) -> list[PrefixCost]:
+    """``listen.share_prefix_index`` at `workers` workers: telling the others one message
+    (encode + a write on each connection; the receivers drain between calls, untimed), and
+    applying another worker's pair of messages (decode + index the routed blocks as held,
+    then release them)."""
+    import asyncio
+    import tempfile
+
+    from sal_gateway.prefix_cache import PrefixTracker
+    from sal_gateway.prefix_share import PrefixShare, ShareSpec, decode, encode
+
+    tracker = PrefixTracker("approximate")
+    polled = _state_table(1, 0).backends(_MODEL)[0].stats
+    assert polled is not None
+    tracker.observe(_MODEL, url, replace(polled, prefix_caching=True))
+    routed = encode(_MODEL, url, keys, True)
+    ended = encode(_MODEL, url, keys, False)
+
+    def apply_pair() -> None:
+        for message in (routed, ended):
+            model, at, got, held = decode(message)
+            tracker.told(model, at, got, held)
+
+    async def tell_samples(folder: str) -> list[float]:
+        shares = [
+            PrefixShare(ShareSpec(folder, i, workers), lambda *_: None, lambda _: None)
+            for i in range(workers)
+        ]
+        for share in shares:
+            await share.start()
+        try:
+            for _ in range(1000):  # each connects within its retry period
+                if shares[0].connected == workers - 1:
+                    break
+                await asyncio.sleep(0.01)
+            samples = []
+            for i in range(reps):
+                start = time.perf_counter()
+                shares[0].tell(_MODEL, url, keys, i % 2 == 0)
+                samples.append((time.perf_counter() - start) * 1e6)
+                await asyncio.sleep(0.001)  # the others read it
+            return samples
+        finally:
+            for share in shares:
+                await share.aclose()
+
+    with tempfile.TemporaryDirectory() as folder:
+        told = asyncio.run(tell_samples(folder))
+    return [
+        PrefixCost(
+            f"workers ({workers}): tell the others one message ({len(keys)} blocks)",
+            percentile(told, 50),
+            percentile(told, 99),
+        ),
+        PrefixCost(
+            "workers: apply another worker's routed + ended messages (decode, index)",
+            *_timed(apply_pair, reps),
+        ),
+    ]
 
 
 def time_tokenize_with_keys(
