@@ -278,10 +278,10 @@ def time_prefix_tracking(
 def _time_prefix_share(
     keys: tuple[int, ...], url: str, workers: int, reps: int
 ) -> list[PrefixCost]:
-    """``listen.share_prefix_index`` at `workers` workers: telling the others one message
-    (encode + a write on each connection; the receivers drain between calls, untimed), and
-    applying another worker's pair of messages (decode + index the routed blocks as held,
-    then release them)."""
+    """``listen.share_prefix_index`` at `workers` workers: telling the others a request was
+    routed (encode + a write on each connection; the receivers drain between calls,
+    untimed), and applying another worker's pair of messages (decode, index the routed
+    blocks as held, release them when it ended)."""
     import asyncio
     import tempfile
 
@@ -292,13 +292,14 @@ def _time_prefix_share(
     polled = _state_table(1, 0).backends(_MODEL)[0].stats
     assert polled is not None
     tracker.observe(_MODEL, url, replace(polled, prefix_caching=True))
-    routed = encode(_MODEL, url, keys, True)
-    ended = encode(_MODEL, url, keys, False)
+    routed = encode(_MODEL, url, keys, True, 1)
+    ended = encode(_MODEL, url, (), False, 1)
 
     def apply_pair() -> None:
-        for message in (routed, ended):
-            model, at, got, held = decode(message)
-            tracker.told(model, at, got, held)
+        model, at, got, _, _ = decode(routed)
+        tracker.told(model, at, got, True)
+        decode(ended)  # the receiver finds the routed blocks by the sequence number
+        tracker.told(model, at, got, False)
 
     async def tell_samples(folder: str) -> list[float]:
         shares = [
@@ -313,11 +314,12 @@ def _time_prefix_share(
                     break
                 await asyncio.sleep(0.01)
             samples = []
-            for i in range(reps):
+            for _ in range(reps):
                 start = time.perf_counter()
-                shares[0].tell(_MODEL, url, keys, i % 2 == 0)
+                ended = shares[0].tell(_MODEL, url, keys)
                 samples.append((time.perf_counter() - start) * 1e6)
-                await asyncio.sleep(0.001)  # the others read it
+                ended()  # untimed: a few bytes
+                await asyncio.sleep(0.001)  # the others read them
             return samples
         finally:
             for share in shares:
@@ -327,7 +329,7 @@ def _time_prefix_share(
         told = asyncio.run(tell_samples(folder))
     return [
         PrefixCost(
-            f"workers ({workers}): tell the others one message ({len(keys)} blocks)",
+            f"workers ({workers}): tell the others a request was routed ({len(keys)} blocks)",
             percentile(told, 50),
             percentile(told, 99),
         ),

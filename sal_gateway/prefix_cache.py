@@ -101,10 +101,10 @@ class PrefixTracker:
             raise ValueError(f"prefix cache mode must be approximate or kv_events, got {mode!r}")
         self.mode = mode
         self._models: dict[str, _ModelCache] = {}
-        self.on_hold: Callable[[str, str, Sequence[int], bool], None] | None = None
-        """Called with ``(model, url, keys, True)`` after every `hold` that indexed blocks,
-        and with ``False`` when that hold is released: the workers'
-        `sal_gateway.prefix_share` tells the other workers (None: nobody)."""
+        self.on_hold: Callable[[str, str, Sequence[int]], Callable[[], None]] | None = None
+        """Called with ``(model, url, keys)`` after every `hold` that indexed blocks; what it
+        returns is called when that hold is released. The workers'
+        `sal_gateway.prefix_share` tells the other workers both (None: nobody)."""
 
     def _model(self, model: str) -> _ModelCache:
         cache = self._models.get(model)
@@ -195,14 +195,13 @@ class PrefixTracker:
             return None
         index, keys = cache.index, blocks.keys
         index.insert(url, keys, hold=True)
-        tell = self.on_hold
-        if tell is None:
+        if self.on_hold is None:
             return lambda: index.release(url, keys)
-        tell(model, url, keys, True)
+        ended = self.on_hold(model, url, keys)
 
         def release() -> None:
             index.release(url, keys)
-            tell(model, url, keys, False)
+            ended()
 
         return release
 

@@ -29,16 +29,19 @@ milliseconds under load would have missed messages.
 Holds matter where KV binds: in the simulator (40 GB replicas) workers told of routed
 blocks only, not of their holds, kept 30 % of prompt tokens cached instead of one gateway's
 37 % and had twice its p95 TTFT (a block another worker's running request holds looked
-evictable, so SAL charged its reuse free KV). A missed "ended" message leaves blocks held in
-that worker's index until the backend restarts or leaves the pool; a missed "routed" one
-makes its "ended" release another request's hold on the same blocks early. Either needs a
-worker stalled with 8 MiB of messages waiting for it, or a worker that has not started
-(`sal_prefix_share_messages_total{outcome="dropped"}`). Evictions are not shared: each worker
+evictable, so SAL charged its reuse free KV). Each "ended" message names its request by the
+sender's sequence number, so it releases exactly what its "routed" message held: a worker
+that missed the "routed" one is not sent the "ended" one, and an unknown number releases
+nothing. A missed "ended" message (the receiving worker stalled with `SEND_BUFFER_BYTES`
+waiting for it) leaves those blocks held until the sender's connection ends
+(`sal_prefix_share_messages_total{outcome="dropped"}`); the receiver releases everything a
+worker still holds when its connection ends. Evictions are not shared: each worker
 evicts by the same LRU rule from the same blocks. ``kv_events`` mode needs none of this:
 every worker reads the engines' events. Linux and macOS (Unix sockets).
 
 Wire format (`encode` / `decode`, pure): ``b"SP1"``, ``b"H"`` (routed, held) or ``b"E"``
-(ended), model and URL each as a 2-byte big-endian length and UTF-8, then the keys as
+(ended), the request's sequence number at its sender (8 bytes, big-endian), model and URL
+each as a 2-byte big-endian length and UTF-8, then the keys (none in an "ended" message) as
 little-endian signed 64-bit integers (Python's hash of a tuple of ints,
 `sal_core.prefix.chain_hashes`, agrees across processes).
 """
@@ -64,12 +67,14 @@ ENDED = b"E"
 """Message kind: that request ended (its blocks stay cached, unheld)."""
 MAX_KEYS = 8192
 """Most block keys one datagram carries (64 KiB of keys): a prompt's leading blocks."""
-MAX_MESSAGE_BYTES = 4 + 2 * (2 + 0xFFFF) + 8 * MAX_KEYS
+MAX_MESSAGE_BYTES = 4 + 8 + 2 * (2 + 0xFFFF) + 8 * MAX_KEYS
 """The largest well-formed message; a longer frame closes the connection."""
 MESSAGES_PER_TURN = 64
 """Messages applied before the receiving task lets the event loop run other work."""
 SEND_BUFFER_BYTES = 8 << 20
 """Bytes that may wait for one other worker (it is stalled) before messages to it drop."""
+MAX_HOLDS = 1 << 16
+"""Most requests one other worker may have routed and not ended (more are not held)."""
 RETRY_S = 0.1
 """Pause between connection attempts to a worker that is not up (yet)."""
 
@@ -81,13 +86,18 @@ Outcome = Callable[[str], None]
 connected, or stalled with `SEND_BUFFER_BYTES` waiting for it), ``received``, ``garbled``."""
 
 
+def _nothing() -> None:
+    return None
+
+
 class ShareError(ValueError):
     """Bytes that are not a well-formed message."""
 
 
-def encode(model: str, url: str, keys: Sequence[int], held: bool) -> bytes:
-    """One message: routed (`held`) or ended, `model`, `url` and the first `MAX_KEYS` of
-    `keys`."""
+def encode(model: str, url: str, keys: Sequence[int], held: bool, seq: int) -> bytes:
+    """One message: request `seq` (the sender's count) routed with these blocks (`held`) or
+    ended (its keys need not travel again: `keys` may be empty), `model`, `url` and the
+    first `MAX_KEYS` of `keys`."""
     m, u = model.encode(), url.encode()
     if len(m) > 0xFFFF or len(u) > 0xFFFF:
         raise ShareError("model or URL too long")
@@ -100,6 +110,7 @@ def encode(model: str, url: str, keys: Sequence[int], held: bool) -> bytes:
         (
             MAGIC,
             HELD if held else ENDED,
+            struct.pack(">Q", seq),
             struct.pack(">H", len(m)),
             m,
             struct.pack(">H", len(u)),
@@ -109,14 +120,19 @@ def encode(model: str, url: str, keys: Sequence[int], held: bool) -> bytes:
     )
 
 
-def decode(data: bytes) -> tuple[str, str, list[int], bool]:
-    """``(model, url, keys, held)`` of one message; raises `ShareError` when it is not one."""
+def decode(data: bytes) -> tuple[str, str, list[int], bool, int]:
+    """``(model, url, keys, held, seq)`` of one message; raises `ShareError` when it is not
+    one."""
     if not data.startswith(MAGIC):
         raise ShareError("bad magic")
     kind = data[len(MAGIC) : len(MAGIC) + 1]
     if kind not in (HELD, ENDED):
         raise ShareError("bad kind")
     pos = len(MAGIC) + 1
+    if pos + 8 > len(data):
+        raise ShareError("truncated")
+    (seq,) = struct.unpack_from(">Q", data, pos)
+    pos += 8
     fields: list[str] = []
     for _ in range(2):
         if pos + 2 > len(data):
@@ -137,7 +153,7 @@ def decode(data: bytes) -> tuple[str, str, list[int], bool]:
     keys.frombytes(data[pos:])
     if sys.byteorder == "big":  # pragma: no cover - the wire is little-endian
         keys.byteswap()
-    return fields[0], fields[1], keys.tolist(), kind == HELD
+    return fields[0], fields[1], keys.tolist(), kind == HELD, seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +188,7 @@ class PrefixShare:
         self._on_outcome = on_outcome
         self._peers = [i for i in range(spec.workers) if i != spec.index]
         self._links: dict[int, asyncio.StreamWriter] = {}
+        self._seq = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -190,28 +207,43 @@ class PrefixShare:
         """Other workers this end can write to now."""
         return sum(not link.is_closing() for link in self._links.values())
 
-    def tell(self, model: str, url: str, keys: Sequence[int], held: bool) -> None:
-        """Tell every other worker that a request with these blocks was just routed to `url`
-        (`held`) or has ended there (not `held`). Never blocks: a worker not connected yet,
-        or with `SEND_BUFFER_BYTES` waiting for it already, misses the message (counted)."""
+    def tell(self, model: str, url: str, keys: Sequence[int]) -> Callable[[], None]:
+        """Tell every other worker that a request with these blocks was just routed to `url`;
+        the returned callable tells them it ended (only those that were told it was routed).
+        Never blocks: a worker not connected yet, or with `SEND_BUFFER_BYTES` waiting for it
+        already, misses the message (counted)."""
         if not keys or not self._peers:
-            return
+            return _nothing
+        self._seq += 1
+        seq = self._seq
         try:
-            message = encode(model, url, keys, held)
+            routed = encode(model, url, keys, True, seq)
         except ShareError:
             self._on_outcome("dropped")
-            return
-        frame = len(message).to_bytes(4, "big") + message
-        for peer in self._peers:
-            link = self._links.get(peer)
-            if link is None or link.is_closing():
-                self._on_outcome("dropped")
-                continue
-            if link.transport.get_write_buffer_size() > SEND_BUFFER_BYTES:
-                self._on_outcome("dropped")
-                continue
-            link.write(frame)
-            self._on_outcome("sent")
+            return _nothing
+        told = [peer for peer in self._peers if self._send(peer, routed)]
+        if not told:
+            return _nothing
+
+        def ended() -> None:
+            message = encode(model, url, (), False, seq)
+            for peer in told:
+                self._send(peer, message)
+
+        return ended
+
+    def _send(self, peer: int, message: bytes) -> bool:
+        link = self._links.get(peer)
+        if (
+            link is None
+            or link.is_closing()
+            or link.transport.get_write_buffer_size() > SEND_BUFFER_BYTES
+        ):
+            self._on_outcome("dropped")
+            return False
+        link.write(len(message).to_bytes(4, "big") + message)
+        self._on_outcome("sent")
+        return True
 
     async def _connect(self, peer: int) -> None:
         """Connect to `peer` (retried every `RETRY_S` until it is up), and again whenever
@@ -233,8 +265,12 @@ class PrefixShare:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Apply one other worker's messages, in order, until it disconnects or sends
-        something that is not a message (then the connection is closed; it reconnects)."""
+        something that is not a message (then the connection is closed). An "ended" message
+        releases what its "routed" one held, found by its sequence number (an unknown one
+        releases nothing); whatever that worker still holds is released when its connection
+        ends."""
         applied = 0
+        holds: dict[int, tuple[str, str, list[int]]] = {}
         try:
             while True:
                 size = int.from_bytes(await reader.readexactly(4), "big")
@@ -243,18 +279,27 @@ class PrefixShare:
                     return
                 data = await reader.readexactly(size)
                 try:
-                    model, url, keys, held = decode(data)
+                    model, url, keys, held, seq = decode(data)
                 except ShareError:
                     self._on_outcome("garbled")
                     return
                 self._on_outcome("received")
-                self._on_told(model, url, keys, held)
+                if held:
+                    if seq not in holds and len(holds) < MAX_HOLDS:
+                        holds[seq] = (model, url, keys)
+                        self._on_told(model, url, keys, True)
+                else:
+                    routed = holds.pop(seq, None)
+                    if routed is not None:
+                        self._on_told(*routed, False)
                 applied += 1
                 if applied % MESSAGES_PER_TURN == 0:
                     await asyncio.sleep(0)  # a backlog must not hold the loop
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         finally:
+            for model, url, keys in holds.values():
+                self._on_told(model, url, keys, False)
             writer.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

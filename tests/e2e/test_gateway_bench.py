@@ -48,7 +48,7 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
     assert report["throughput"]["gateway_req_per_s"] > 0
     assert all(row["p50_us"] > 0 for row in report["prefix_costs"])
     steps = [row["step"] for row in report["prefix_costs"]]
-    assert any(step.startswith("workers (8): tell the others") for step in steps), steps
+    assert any(step.startswith("workers (8): tell the others a request") for step in steps), steps
     assert any(step.startswith("workers: apply another worker's") for step in steps), steps
     timed = {row["policy"] for row in report["decisions"]}
     assert set(POLICIES) <= timed

@@ -35,23 +35,27 @@ def test_a_message_round_trips_keys_of_any_sign_and_only_the_leading_blocks_trav
     held: bool,
 ) -> None:
     keys = [-(2**63), -1, 0, 1, 2**63 - 1, *range(MAX_KEYS + 100)]
-    model, url, got, was_held = decode(encode("llama-é", A, keys, held))
-    assert (model, url, was_held) == ("llama-é", A, held)
+    model, url, got, was_held, seq = decode(encode("llama-é", A, keys, held, 2**64 - 1))
+    assert (model, url, was_held, seq) == ("llama-é", A, held, 2**64 - 1)
     assert got == keys[:MAX_KEYS]
+
+
+SEQ = (7).to_bytes(8, "big")
 
 
 @pytest.mark.parametrize(
     "data",
     [
         b"",
-        b"XX1H\x00\x01m\x00\x01u",  # bad magic
-        b"SP1X\x00\x01m\x00\x01u",  # bad kind
+        b"XX1H" + SEQ + b"\x00\x01m\x00\x01u",  # bad magic
+        b"SP1X" + SEQ + b"\x00\x01m\x00\x01u",  # bad kind
         b"SP1",  # no kind
-        b"SP1H\x00\x05m",  # model length past the end
-        b"SP1E\x00\x01m\x00\x09u",  # URL length past the end
-        b"SP1H\x00\x01\xff\x00\x01u",  # not UTF-8
-        b"SP1H\x00\x01m\x00\x01u\x01\x02\x03",  # keys not a multiple of 8 bytes
-        b"SP1H\x00\x01m\x00\x01u" + b"\x00" * 8 * (MAX_KEYS + 1),  # too many keys
+        b"SP1H\x00\x00\x01",  # sequence number cut short
+        b"SP1H" + SEQ + b"\x00\x05m",  # model length past the end
+        b"SP1E" + SEQ + b"\x00\x01m\x00\x09u",  # URL length past the end
+        b"SP1H" + SEQ + b"\x00\x01\xff\x00\x01u",  # not UTF-8
+        b"SP1H" + SEQ + b"\x00\x01m\x00\x01u\x01\x02\x03",  # keys not a multiple of 8
+        b"SP1H" + SEQ + b"\x00\x01m\x00\x01u" + b"\x00" * 8 * (MAX_KEYS + 1),  # too many
     ],
 )
 def test_what_is_not_a_message_is_refused(data: bytes) -> None:
@@ -163,9 +167,11 @@ def test_a_worker_is_told_the_blocks_another_routed_and_predicts_the_next_turn_t
 def test_a_burst_while_the_other_worker_is_busy_waits_for_it_and_arrives_whole(
     tmp_path: Path,
 ) -> None:
-    """500 requests routed without the receiving worker's loop getting a turn (its loop is
-    this one): every message waits in the connection and arrives, in order. With Unix
-    datagrams Linux had kept only 10 of them per socket."""
+    """500 requests routed, and every other one ended, without the receiving worker's loop
+    getting a turn (its loop is this one): every message waits in the connection and
+    arrives, in order, each "ended" releasing its own request's blocks. With Unix datagrams
+    Linux had kept only 10 of them per socket. When the sender's connection ends, what it
+    still held is released."""
     told: list[tuple[str, bool]] = []
     out: Counter[str] = Counter()
 
@@ -180,15 +186,25 @@ def test_a_burst_while_the_other_worker_is_busy_waits_for_it_and_arrives_whole(
             await _wait(lambda: w0.connected == 1)
             keys = chain_hashes(list(range(8192)), BS)  # an 8k-token prompt: 512 blocks
             for i in range(500):
-                w0.tell("m", f"http://r{i}", keys, i % 2 == 0)
-            await _wait(lambda: len(told) == 500)
+                ended = w0.tell("m", f"http://r{i}", keys)
+                if i % 2:
+                    ended()
+            await _wait(lambda: len(told) == 750)
+            await w0.aclose()
+            await _wait(lambda: len(told) == 1000)
         finally:
             await w0.aclose()
             await w1.aclose()
 
     asyncio.run(burst())
-    assert told == [(f"http://r{i}", i % 2 == 0) for i in range(500)]
-    assert out == {"sent": 500, "received": 500}
+    in_order = []
+    for i in range(500):
+        in_order.append((f"http://r{i}", True))
+        if i % 2:
+            in_order.append((f"http://r{i}", False))
+    assert told[:750] == in_order
+    assert sorted(told[750:]) == sorted((f"http://r{i}", False) for i in range(0, 500, 2))
+    assert out == {"sent": 750, "received": 750}
 
 
 def test_a_worker_that_is_not_up_costs_a_dropped_message_not_an_error(tmp_path: Path) -> None:
@@ -198,10 +214,40 @@ def test_a_worker_that_is_not_up_costs_a_dropped_message_not_an_error(tmp_path: 
         share = PrefixShare(ShareSpec(str(tmp_path), 0, 3), lambda *_: None, _count(out))
         await share.start()
         try:
-            share.tell("m", A, [1, 2, 3], True)  # workers 1 and 2 never start
-            share.tell("m", A, [], True)  # nothing indexed: nothing sent
+            ended = share.tell("m", A, [1, 2, 3])  # workers 1 and 2 never start
+            ended()  # not told it was routed: not told it ended
+            share.tell("m", A, [])()  # nothing indexed: nothing sent
         finally:
             await share.aclose()
 
     asyncio.run(tell())
     assert out == {"dropped": 2}
+
+
+def test_an_ended_message_releases_only_what_its_own_routed_message_held(tmp_path: Path) -> None:
+    """Another request's "ended" (an unknown sequence number: its "routed" was missed, or a
+    forged one) must not release a running request's hold on the same blocks."""
+    told: list[tuple[str, bool]] = []
+
+    async def exchange() -> None:
+        w1 = PrefixShare(
+            ShareSpec(str(tmp_path), 1, 2), lambda m, u, k, h: told.append((u, h)), lambda _: None
+        )
+        await w1.start()
+        try:
+            _, writer = await asyncio.open_unix_connection(ShareSpec(str(tmp_path), 1, 2).path(1))
+            for message in (
+                encode("m", A, [1, 2, 3], True, 5),
+                encode("m", A, (), False, 6),  # not routed on this connection: ignored
+                encode("m", A, [1, 2, 3], True, 5),  # a repeat of 5: held once
+                encode("m", A, (), False, 5),
+            ):
+                writer.write(len(message).to_bytes(4, "big") + message)
+            await writer.drain()
+            await _wait(lambda: len(told) == 2)
+            writer.close()
+        finally:
+            await w1.aclose()
+
+    asyncio.run(exchange())
+    assert told == [(A, True), (A, False)]
