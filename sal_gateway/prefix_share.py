@@ -188,6 +188,7 @@ class PrefixShare:
         self._on_outcome = on_outcome
         self._peers = [i for i in range(spec.workers) if i != spec.index]
         self._links: dict[int, asyncio.StreamWriter] = {}
+        self._incoming: set[asyncio.StreamWriter] = set()
         self._seq = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -271,6 +272,7 @@ class PrefixShare:
         ends."""
         applied = 0
         holds: dict[int, tuple[str, str, list[int]]] = {}
+        self._incoming.add(writer)
         try:
             while True:
                 size = int.from_bytes(await reader.readexactly(4), "big")
@@ -300,6 +302,7 @@ class PrefixShare:
         finally:
             for model, url, keys in holds.values():
                 self._on_told(model, url, keys, False)
+            self._incoming.discard(writer)
             writer.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -316,7 +319,7 @@ class PrefixShare:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for link in self._links.values():
+        for link in [*self._links.values(), *self._incoming]:
             link.close()
         self._links.clear()
         if self._server is not None:
