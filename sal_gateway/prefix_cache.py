@@ -254,21 +254,26 @@ class PrefixTracker:
             cache.index.insert(url, keys, hold=False)
             cache.reuse.touch(keys)
 
-    def told(self, model: str, url: str, keys: Sequence[int], held: bool) -> None:
+    def told(self, model: str, url: str, keys: Sequence[int], held: bool) -> bool:
         """Another worker of this host routed a prompt with these blocks to `url` (`held`),
         or that request ended (not `held`) (`sal_gateway.prefix_share`). Routed: cached
         there, most recent, held until the other worker says the request ended; and in the
         fleet-reuse estimate, so that it covers every worker's traffic. Ended: unheld, as
         `hold`'s release. A routed message is ignored unless this worker tracks `url` for
-        `model` (`tracking`): an unknown backend's entry would have no capacity bound."""
+        `model` (`tracking`): an unknown backend's entry would have no capacity bound. Returns
+        whether the blocks are now held for that request (only then may its end release
+        them: a release without a hold would end this worker's own hold on the same blocks)."""
         cache = self._models.get(model)
         if cache is None or not keys:
-            return
+            return False
         if not held:
             cache.index.release(url, keys)
-        elif self.tracking(model, url):
-            cache.index.insert(url, keys, hold=True)
-            cache.reuse.touch(keys)
+            return False
+        if not self.tracking(model, url):
+            return False
+        cache.index.insert(url, keys, hold=True)
+        cache.reuse.touch(keys)
+        return True
 
     def evict(self, model: str, url: str, keys: Sequence[int]) -> None:
         """`url`'s engine evicted these blocks (a KV event)."""

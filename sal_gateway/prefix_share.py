@@ -78,9 +78,10 @@ MAX_HOLDS = 1 << 16
 RETRY_S = 0.1
 """Pause between connection attempts to a worker that is not up (yet)."""
 
-Told = Callable[[str, str, Sequence[int], bool], None]
+Told = Callable[[str, str, Sequence[int], bool], bool]
 """What a worker does with another worker's message: ``(model, url, keys, held)``; `held`
-True: a request with these blocks was routed to `url`; False: it ended."""
+True: a request with these blocks was routed to `url` (returns whether they are now held,
+so that its end releases them); False: it ended (the routed message's keys again)."""
 Outcome = Callable[[str], None]
 """Counts one message by outcome: ``sent``, ``dropped`` (the receiving worker was not
 connected, or stalled with `SEND_BUFFER_BYTES` waiting for it), ``received``, ``garbled``."""
@@ -287,9 +288,12 @@ class PrefixShare:
                     return
                 self._on_outcome("received")
                 if held:
-                    if seq not in holds and len(holds) < MAX_HOLDS:
+                    if (
+                        seq not in holds
+                        and len(holds) < MAX_HOLDS
+                        and self._on_told(model, url, keys, True)
+                    ):
                         holds[seq] = (model, url, keys)
-                        self._on_told(model, url, keys, True)
                 else:
                     routed = holds.pop(seq, None)
                     if routed is not None:

@@ -84,9 +84,10 @@ TURN2 = [*CONV, *range(7, 40)]
 def test_told_blocks_are_held_until_told_ended_and_only_on_a_tracked_backend() -> None:
     tracker = _tracker()
     keys = chain_hashes(CONV, BS)
-    tracker.told("m", B, keys, True)
-    tracker.told("m", "http://unknown:1", keys, True)  # never polled: no entry without a bound
-    tracker.told("other-model", A, keys, True)
+    assert tracker.told("m", B, keys, True) is True
+    # Never polled: no entry without a bound, and nothing held that an end could release.
+    assert tracker.told("m", "http://unknown:1", keys, True) is False
+    assert tracker.told("other-model", A, keys, True) is False
     assert _cached_on(tracker, TURN2) == {A: (0, 0), B: (10 * BS, 10 * BS)}
     assert tracker.indexed_blocks("m", "http://unknown:1") == 0
     tracker.told("m", B, keys, False)
@@ -178,7 +179,9 @@ def test_a_burst_while_the_other_worker_is_busy_waits_for_it_and_arrives_whole(
     async def burst() -> None:
         w0 = PrefixShare(ShareSpec(str(tmp_path), 0, 2), lambda *_: None, _count(out))
         w1 = PrefixShare(
-            ShareSpec(str(tmp_path), 1, 2), lambda m, u, k, h: told.append((u, h)), _count(out)
+            ShareSpec(str(tmp_path), 1, 2),
+            lambda m, u, k, h: told.append((u, h)) or True,
+            _count(out),
         )
         await w0.start()
         await w1.start()
@@ -231,7 +234,9 @@ def test_an_ended_message_releases_only_what_its_own_routed_message_held(tmp_pat
 
     async def exchange() -> None:
         w1 = PrefixShare(
-            ShareSpec(str(tmp_path), 1, 2), lambda m, u, k, h: told.append((u, h)), lambda _: None
+            ShareSpec(str(tmp_path), 1, 2),
+            lambda m, u, k, h: told.append((u, h)) or True,
+            lambda _: None,
         )
         await w1.start()
         try:
