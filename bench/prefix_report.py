@@ -425,14 +425,8 @@ def reuse_profile_section(doc: dict[str, Any]) -> list[str]:
 
 
 def _setup_ratios(rows: Sequence[Row], a: str, b: str, key: str) -> str:
-    """Paired per window: setup `b`'s `key` over setup `a`'s (> 1: `a` better)."""
-    ra = {r["seed"]: r[key] for r in rows if r["setup"] == a}
-    rb = {r["seed"]: r[key] for r in rows if r["setup"] == b}
-    ratios = [rb[k] / ra[k] for k in sorted(ra) if k in rb and ra[k] > 0]
-    r = spread_of(ratios)
-    if r.n == 0:
-        return "n/a"
-    return f"{r.median:.2f}x [{r.low:.2f}-{r.high:.2f}] {verdict(r)}"
+    """`paired` between two setups (``setup`` rows of one router): `b`'s `key` over `a`'s."""
+    return paired([{**r, "router": r["setup"]} for r in rows], a, b, "fcfs", key)
 
 
 def workers_section(doc: dict[str, Any]) -> list[str]:
@@ -453,7 +447,7 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
         "`oracle` is SAL on the engines' true cache contents, what `kv_events` gives every "
         "worker. `sal-bench prefix --only workers`; "
         f"{_runs(rows)}; fcfs engines. Ratios are paired per window "
-        "(> 1: the second setup named is better).",
+        '(> 1, and "better on": the second setup named is better).',
         "",
     ]
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
