@@ -483,10 +483,20 @@ WORKER_SETUPS: dict[str, dict[str, Any]] = {
     "4 workers, told": {"gateways": 4, "share_prefix_index": True},
     "8 workers": {"gateways": 8},
     "8 workers, told": {"gateways": 8, "share_prefix_index": True},
+    "8 hosts": {"gateways": 8, "shared_accounting": False, "gossip_interval_s": 0.0},
+    "8 hosts, told": {
+        "gateways": 8,
+        "shared_accounting": False,
+        "gossip_interval_s": 0.0,
+        "peer_prefix_blocks": True,
+    },
 }
 """The gateway setups of ``--only workers``: workers share their between-poll accounting
 (``listen.share_accounting``) and get connections at random (the kernel spreads a chat
-application's pooled connections over them); "told": ``listen.share_prefix_index``."""
+application's pooled connections over them); "told": ``listen.share_prefix_index``.
+"hosts": gateways on separate hosts, told each other's counts by ``peers`` (1 ms away);
+"hosts, told": and the blocks of the prompts they route (``peers.share_prefix_blocks``),
+which they index unheld."""
 
 
 def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
@@ -506,7 +516,9 @@ def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
             replicas=sc.replicas,
             scheduler="fcfs",
             profile=sc.profile,
-            router=RouterConfig(policy=router, seed=seed, cache_source=source, **workers, **extra),
+            router=RouterConfig(
+                policy=router, seed=seed, cache_source=source, **{**workers, **extra}
+            ),
             enable_prefix_caching=True,
         )
         rows.append(

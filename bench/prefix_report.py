@@ -436,14 +436,18 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     lines = [
-        "## Several workers of one host: is the prefix index shared?",
+        "## Several workers or gateways: is the prefix index shared?",
         "",
         "`listen.workers` runs several gateway processes on one port; the kernel spreads "
         "connections over them, so the turns of a conversation sent over a chat "
         "application's pooled connections reach different workers (simulated: each request "
         "to a worker at random). The workers share their between-poll accounting in every "
-        "row. Each worker's `approximate` index holds the blocks it routed itself, unless the "
-        'workers tell each other (`listen.share_prefix_index`, on by default: "told"). '
+        "`workers` row. Each worker's `approximate` index holds the blocks it routed itself, "
+        "unless the workers tell each other (`listen.share_prefix_index`, on by default: "
+        '"told"). The `hosts` rows are gateways on separate hosts behind one Service, also '
+        "reached at random: `peers` tells the others each gateway's counts 1 ms after every "
+        'change and, in "8 hosts, told", the blocks of every prompt it routes '
+        "(`peers.share_prefix_blocks`, on by default), indexed unheld 1 ms later. "
         "`oracle` is SAL on the engines' true cache contents, what `kv_events` gives every "
         "worker. `sal-bench prefix --only workers`; "
         f"{_runs(rows)}; fcfs engines. Ratios are paired per window "
@@ -480,16 +484,20 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
                     lines.append(f"| {router} | {source} | {setup} | {cells} |")
         lines += [
             "",
-            "| router | workers | p50: alone / told | p95: alone / told | p50: told / 1 gateway "
+            "| router | gateways | p50: alone / told | p95: alone / told | p50: told / 1 gateway "
             "| p95: told / 1 gateway |",
             "|---|---|---|---|---|---|",
         ]
         for router in dict.fromkeys(r["router"] for r in mine if r["source"] == "approximate"):
             approx = [r for r in mine if r["router"] == router and r["source"] == "approximate"]
-            for k in (4, 8):
-                alone, told = f"{k} workers", f"{k} workers, told"
+            present = {r["setup"] for r in approx}
+            for k, kind in ((4, "workers"), (8, "workers"), (8, "hosts")):
+                alone, told = f"{k} {kind}", f"{k} {kind}, told"
+                if not {alone, told} <= present:
+                    continue
                 lines.append(
-                    f"| {router} | {k} | {_setup_ratios(approx, told, alone, 'ttft_p50_s')} "
+                    f"| {router} | {k} {kind} "
+                    f"| {_setup_ratios(approx, told, alone, 'ttft_p50_s')} "
                     f"| {_setup_ratios(approx, told, alone, 'ttft_p95_s')} "
                     f"| {_setup_ratios(approx, '1 gateway', told, 'ttft_p50_s')} "
                     f"| {_setup_ratios(approx, '1 gateway', told, 'ttft_p95_s')} |"

@@ -107,6 +107,13 @@ class RouterCache:
         (the other gateway tells that too)."""
         self.on_route(replica, keys)
 
+    def on_heard(self, replica: int, keys: Sequence[int]) -> None:
+        """A gateway on another host routed a prompt with block `keys` to `replica` (it told
+        this one over the network, ``peers.share_prefix_blocks``): cached there, most
+        recent, not held (nobody tells when that request ends)."""
+        if self.source == "approximate" and keys:
+            self._index.insert(self._urls[replica], keys, hold=False)
+
     def on_finish(self, replica: int, keys: Sequence[int]) -> None:
         if self.source == "approximate" and keys:
             self._index.release(self._urls[replica], keys)

@@ -138,6 +138,12 @@ class RouterConfig:
     they route and when its request ends (``listen.share_prefix_index``: the workers of one
     host), so each one's ``approximate`` index holds, and holds for as long, what every
     gateway routed."""
+    peer_prefix_blocks: bool = False
+    """Several gateways (`gateways` > 1) on separate hosts tell each other the blocks of
+    every prompt they route (``peers.share_prefix_blocks``), which reach the others
+    `gossip_delay_s` later; each stores them in its ``approximate`` index as cached there,
+    most recent and *unheld* (a lost datagram must not pin blocks, so the gateway holds
+    none it was told over the network). False: each indexes only what it routed."""
     cache_source: str = "none"
     """What the router knows of each replica's prefix cache (`engine_sim.router_cache`):
     ``"none"``, ``"approximate"`` (its own index of routed blocks; each gateway its own) or
@@ -425,6 +431,11 @@ class Simulation:
             _router_cache(cfg.cache_source, self._urls, views, self._engines)
             for views in self._views
         ]
+        # Prompt blocks the other gateways told each one over the network (peer_prefix_blocks):
+        # (time it hears them, replica, keys), in the order they arrive.
+        self._heard_blocks: list[deque[tuple[float, int, list[int]]]] = [
+            deque() for _ in range(cfg.gateways)
+        ]
         # The paper's Eq. 2 counts every prompt token on every replica, also between polls.
         self._account_cache = self._caches[0].enabled and self._policies[0].name != "sal_paper"
         self._keys: dict[str, list[int]] = {}
@@ -565,6 +576,11 @@ class Simulation:
         if cache.enabled and req.blocks is not None:
             # The router sees the prompt only (the engine also caches repeated outputs).
             keys = req.blocks.keys(cache.block_size)[: req.prompt_tokens // cache.block_size]
+        if self._router_cfg.peer_prefix_blocks:
+            heard_blocks = self._heard_blocks[gateway]
+            while heard_blocks and heard_blocks[0][0] <= now_s:
+                _, told_replica, told_keys = heard_blocks.popleft()
+                cache.on_heard(told_replica, told_keys)
         holds = cache.lookup(keys)
         counts: list[tuple[int, int, int] | None] = [None] * len(views)
         if self._router_cfg.shared_accounting and len(self._views) > 1:
@@ -639,6 +655,11 @@ class Simulation:
                 for other in self._caches:
                     if other is not cache:
                         other.on_told(replica, keys)
+            if self._router_cfg.peer_prefix_blocks:
+                heard_at_s = now_s + self._router_cfg.gossip_delay_s
+                for g, heard_blocks in enumerate(self._heard_blocks):
+                    if g != gateway:
+                        heard_blocks.append((heard_at_s, replica, keys))
             self._keys[request_id] = keys
             self._predicted[request_id] = holds[replica].cached_tokens
         self._routed[replica] += 1

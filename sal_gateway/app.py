@@ -310,6 +310,14 @@ async def build_runtime(
         else:
             prefix.on_hold = share.tell
             runtime.prefix_share = share
+    if (
+        prefix is not None
+        and network is not None
+        and routing.prefix_cache == "approximate"
+        and config.peers.share_prefix_blocks
+    ):
+        prefix.on_route = network.tell_blocks
+        network.on_blocks = prefix.heard
     if prefix is not None and routing.prefix_cache == "kv_events":
         from sal_gateway.kv_subscriber import KvEventSubscribers
 

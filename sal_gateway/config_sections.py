@@ -406,4 +406,7 @@ def _peers(path: str, data: Mapping[str, Any], listen: ListenConfig) -> PeersCon
         share_adapters=_as_bool(
             f"{path}.share_adapters", data.get("share_adapters", d.share_adapters)
         ),
+        share_prefix_blocks=_as_bool(
+            f"{path}.share_prefix_blocks", data.get("share_prefix_blocks", d.share_prefix_blocks)
+        ),
     )

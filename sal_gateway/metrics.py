@@ -393,8 +393,11 @@ class GatewayMetrics:
         self.peer_datagrams = Counter(
             "sal_peer_datagrams",
             "Datagrams received from other gateways (peers), by result: accepted; old (a "
-            "newer one had set its counts); own (sent by this gateway); bad_tag (not sent "
-            "with the shared secret, or changed); malformed; too_many_peers",
+            "newer one had set its counts, or a newer blocks datagram came first); own (sent "
+            "by this gateway); bad_tag (not sent with the shared secret, or changed); "
+            "malformed; too_many_peers; blocks (prompt blocks indexed, "
+            "peers.share_prefix_blocks); blocks_ignored (prompt blocks for a backend this "
+            "gateway does not track, or with sharing off here)",
             ["result"],
             registry=r,
         )

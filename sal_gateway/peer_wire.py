@@ -178,3 +178,74 @@ def decode(secret: bytes, datagram: bytes) -> PeerMessage:
     if offset != len(body):
         raise PeerWireError(f"{count} rows in {len(body)} bytes", "malformed")
     return PeerMessage(sender, group, seq, tuple(rows))
+
+
+# --- prompt blocks (``peers.share_prefix_blocks``) ---------------------------------------
+
+BLOCKS_MAGIC = b"SALB"
+"""First bytes of a prompt-blocks datagram (`encode_blocks`): a release that does not know
+them counts such a datagram ``malformed`` after its tag checks out, and drops it."""
+BLOCKS_VERSION = 1
+_BLOCKS_HEADER = struct.Struct("<4sB3xQQQQH")
+_BLOCK_KEY = struct.Struct("<q")
+BLOCK_KEYS_PER_DATAGRAM = (MAX_DATAGRAM - _BLOCKS_HEADER.size - TAG_BYTES) // _BLOCK_KEY.size
+"""Block keys one datagram carries: 172 (42-byte header, 16-byte tag, 8 bytes a key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBlocks:
+    """Some prompt blocks the sender routed to one backend, in prompt order: version 1 of
+    the layout ::
+
+        header  magic b"SALB" | version u8 | reserved 3 bytes | sender u64 | group u64
+                | seq u64 | backend key u64 | keys u16
+        keys    that many chained block keys i64 (`sal_core.prefix.chain_hashes`: Python's
+                hash of integer tuples, the same in every process and host)
+        tag     the first 16 bytes of HMAC-SHA256(secret, header + keys)
+
+    `sender`, `group` and `seq` as in `PeerMessage` (one sequence for both kinds); `key` the
+    backend's `sal_gateway.shared_accounting.backend_key`. A prompt longer than
+    `BLOCK_KEYS_PER_DATAGRAM` blocks takes several datagrams, each a run of consecutive keys
+    (chained keys name their whole prefix, so each run is meaningful on its own)."""
+
+    sender: int
+    group: int
+    seq: int
+    key: int
+    keys: tuple[int, ...]
+
+
+def is_blocks(datagram: bytes) -> bool:
+    """Whether `datagram` claims to be a prompt-blocks datagram (`decode_blocks` checks)."""
+    return datagram[:4] == BLOCKS_MAGIC
+
+
+def encode_blocks(
+    secret: bytes, sender: int, seq: int, key: int, keys: Sequence[int], group: int | None = None
+) -> bytes:
+    """One datagram of 1 to `BLOCK_KEYS_PER_DATAGRAM` block `keys` for backend `key`."""
+    if not 0 < len(keys) <= BLOCK_KEYS_PER_DATAGRAM:
+        raise ValueError(f"{len(keys)} block keys; one datagram holds 1 to "
+                         f"{BLOCK_KEYS_PER_DATAGRAM}")  # fmt: skip
+    group = sender if group is None else group
+    header = _BLOCKS_HEADER.pack(BLOCKS_MAGIC, BLOCKS_VERSION, sender, group, seq, key, len(keys))
+    body = header + struct.pack(f"<{len(keys)}q", *keys)
+    return body + hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
+
+
+def decode_blocks(secret: bytes, datagram: bytes) -> PeerBlocks:
+    """The prompt blocks in `datagram`, or `PeerWireError` (tag checked first, as `decode`)."""
+    size = len(datagram)
+    if size < _BLOCKS_HEADER.size + _BLOCK_KEY.size + TAG_BYTES or size > MAX_DATAGRAM:
+        raise PeerWireError(f"blocks datagram of {size} bytes", "malformed")
+    body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
+    expected = hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
+    if not hmac.compare_digest(tag, expected):
+        raise PeerWireError("tag does not match the shared secret", "bad_tag")
+    magic, version, sender, group, seq, key, count = _BLOCKS_HEADER.unpack_from(body)
+    if magic != BLOCKS_MAGIC or version != BLOCKS_VERSION:
+        raise PeerWireError(f"magic {magic!r} version {version}", "malformed")
+    if count == 0 or _BLOCKS_HEADER.size + count * _BLOCK_KEY.size != len(body):
+        raise PeerWireError(f"{count} block keys in {len(body)} bytes", "malformed")
+    keys = struct.unpack_from(f"<{count}q", body, _BLOCKS_HEADER.size)
+    return PeerBlocks(sender, group, seq, key, keys)

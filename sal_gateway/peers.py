@@ -21,6 +21,17 @@ that died or lost its network stops counting then. A gateway restarted on the sa
 (a new sender id from the socket address an old one used) replaces the old one's counts at
 its first datagram.
 
+Prompt blocks (``peers.share_prefix_blocks``, with ``routing.prefix_cache: approximate``):
+each gateway's prefix index holds the blocks it routed itself, so a conversation whose turns
+reach different gateways (a Service spreads a chat application's connections) would lose its
+prefix. So a gateway also sends, when it routes a request, the block keys of its prompt
+(`tell_blocks`; up to `MAX_BLOCK_DATAGRAMS` datagrams of `peer_wire.BLOCK_KEYS_PER_DATAGRAM`
+keys), and the others index them as cached on that backend, most recent, *unheld*
+(`sal_gateway.prefix_cache.PrefixTracker.heard`): nobody is told when the request ends, so
+a lost datagram can pin nothing, and the memory term charges those blocks as new KV (it
+never credits a block twice). The workers of one host tell each other through
+`sal_gateway.prefix_share` instead, with holds.
+
 Trust: every datagram carries an HMAC tag under a secret all the gateways share (from the
 environment, `load_secret`); one without it is dropped and counted
 (``sal_peer_datagrams_total{result="bad_tag"}``), so nobody on the network can steer routing
@@ -42,19 +53,25 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sal_gateway.config import PeersConfig, split_host_port
 from sal_gateway.peer_wire import (
+    BLOCK_KEYS_PER_DATAGRAM,
     MAX_ADAPTERS,
     MIN_SECRET_BYTES,
     ROOM,
     V1_ROWS,
+    PeerBlocks,
+    PeerMessage,
     PeerRow,
     PeerWireError,
     decode,
+    decode_blocks,
     encode,
+    encode_blocks,
+    is_blocks,
 )
 from sal_gateway.shared_accounting import adapter_key, backend_key
 from sal_gateway.state import PeerCounts
@@ -63,6 +80,10 @@ log = logging.getLogger("sal_gateway.peers")
 
 MAX_PEERS = 1024
 """Senders remembered at once (each needs the secret; a bound all the same)."""
+MAX_BLOCK_DATAGRAMS = 8
+"""Datagrams of prompt blocks per routed request and peer (`PeerNetwork.tell_blocks`): the
+first 8 x 172 = 1,376 blocks, 22,016 tokens with vLLM's default 16-token blocks. A longer
+prompt's later blocks stay unknown to the peers, which still find its first 22k tokens."""
 
 
 class PeersError(ValueError):
@@ -134,6 +155,8 @@ class _Peer:
     rows: dict[int, tuple[int, int, int, int, tuple[int, ...]]] = field(default_factory=dict)
     """Backend key -> (seq of the datagram that set it, in flight, tokens, KV tokens,
     pending LoRA adapters)."""
+    blocks_seq: int = 0
+    """Seq of the newest prompt-blocks datagram applied (older ones are dropped)."""
 
 
 Metrics = Callable[[str], None]
@@ -175,6 +198,12 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flush_pending = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._backends: dict[int, tuple[str, str]] = {}
+        self.on_blocks: Callable[[str, str, Sequence[int]], bool] | None = None
+        """Called with ``(model, url, keys)`` for the prompt blocks a peer routed to a
+        backend this gateway knows (``peers.share_prefix_blocks``; the tracker's
+        `sal_gateway.prefix_cache.PrefixTracker.heard`); returns whether it indexed them.
+        None: blocks datagrams are counted ``blocks_ignored`` and dropped."""
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -213,7 +242,33 @@ class PeerNetwork(asyncio.DatagramProtocol):
     # --- the PeerCounts side (sal_gateway.state) -----------------------------------------
 
     def slot(self, model: str, url: str) -> PeerSlot:
-        return PeerSlot(self, backend_key(model, url))
+        key = backend_key(model, url)
+        self._backends[key] = (model, url)
+        return PeerSlot(self, key)
+
+    # --- prompt blocks (peers.share_prefix_blocks) -------------------------------------
+
+    def tell_blocks(self, model: str, url: str, keys: Sequence[int]) -> None:
+        """This gateway routed a prompt with block `keys` to `url`: send its first
+        `MAX_BLOCK_DATAGRAMS` datagrams of keys to every peer now. Fire and forget: a peer
+        indexes them unheld (a lost datagram, or one about a request that has ended since,
+        can then pin nothing), and nobody is told when the request ends."""
+        transport = self._transport
+        if transport is None or not self._targets or not keys:
+            return
+        key = backend_key(model, url)
+        self._backends.setdefault(key, (model, url))
+        step = BLOCK_KEYS_PER_DATAGRAM
+        datagrams = []
+        for start in range(0, min(len(keys), step * MAX_BLOCK_DATAGRAMS), step):
+            self._seq += 1
+            datagrams.append(
+                encode_blocks(
+                    self._secret, self.sender, self._seq, key, keys[start : start + step],
+                    self.group,
+                )
+            )  # fmt: skip
+        self._send_all(transport, datagrams)
 
     def publish(
         self, key: int, counts: tuple[int, int, int], adapters: tuple[int, ...] = ()
@@ -256,7 +311,9 @@ class PeerNetwork(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[object, ...]) -> None:
         try:
-            message = decode(self._secret, data)
+            message = (
+                decode_blocks(self._secret, data) if is_blocks(data) else decode(self._secret, data)
+            )
         except PeerWireError as exc:
             self._on_datagram(exc.reason)
             return
@@ -264,18 +321,15 @@ class PeerNetwork(asyncio.DatagramProtocol):
             self._on_datagram("own")
             return
         now = self._clock()
-        peer = self._peers.get(message.sender)
+        peer = self._peer(message.sender, addr, now)
         if peer is None:
-            # A new sender from the address another one used is that gateway restarted (one
-            # socket, one process): its old counts go now, not after expire_s.
-            for old in [s for s, p in self._peers.items() if p.addr == tuple(addr)]:
-                del self._peers[old]
-            if len(self._peers) >= MAX_PEERS:
-                self._forget(now)
-                if len(self._peers) >= MAX_PEERS:
-                    self._on_datagram("too_many_peers")
-                    return
-            peer = self._peers[message.sender] = _Peer(now, tuple(addr))
+            return
+        if isinstance(message, PeerBlocks):
+            self._apply_blocks(peer, message, now)
+        else:
+            self._apply_counts(peer, message, now)
+
+    def _apply_counts(self, peer: _Peer, message: PeerMessage, now: float) -> None:
         stale = 0
         for row in message.rows:
             held = peer.rows.get(row.key)
@@ -294,6 +348,39 @@ class PeerNetwork(asyncio.DatagramProtocol):
             return
         peer.heard_s = now
         self._on_datagram("accepted")
+
+    def _apply_blocks(self, peer: _Peer, message: PeerBlocks, now: float) -> None:
+        """Prompt blocks, newer than the last ones applied from that sender, about a backend
+        this gateway routes to: they go to `on_blocks` (``result="blocks"``;
+        ``"blocks_ignored"`` when the backend is unknown here or not tracked, or nobody
+        listens)."""
+        if message.seq <= peer.blocks_seq:
+            self._on_datagram("old")  # reordered or replayed
+            return
+        peer.blocks_seq = message.seq
+        peer.heard_s = now
+        backend = self._backends.get(message.key)
+        listener = self.on_blocks
+        if backend is None or listener is None or not listener(*backend, message.keys):
+            self._on_datagram("blocks_ignored")
+            return
+        self._on_datagram("blocks")
+
+    def _peer(self, sender: int, addr: tuple[object, ...], now: float) -> _Peer | None:
+        """The record of `sender`, new if need be (None, counted, when too many live)."""
+        peer = self._peers.get(sender)
+        if peer is None:
+            # A new sender from the address another one used is that gateway restarted (one
+            # socket, one process): its old counts go now, not after expire_s.
+            for old in [s for s, p in self._peers.items() if p.addr == tuple(addr)]:
+                del self._peers[old]
+            if len(self._peers) >= MAX_PEERS:
+                self._forget(now)
+                if len(self._peers) >= MAX_PEERS:
+                    self._on_datagram("too_many_peers")
+                    return None
+            peer = self._peers[sender] = _Peer(now, tuple(addr))
+        return peer
 
     def error_received(self, exc: Exception) -> None:
         # ICMP port unreachable from a peer that is not up yet: expected, retried anyway.
@@ -318,10 +405,16 @@ class PeerNetwork(asyncio.DatagramProtocol):
         transport = self._transport
         if transport is None or not self._targets or not (keys or announce):
             return
-        sent = errors = 0
+        datagrams = []
         for rows in _datagrams([PeerRow(k, *self._own[k]) for k in keys]):
             self._seq += 1
-            datagram = encode(self._secret, self.sender, self._seq, rows, self.group)
+            datagrams.append(encode(self._secret, self.sender, self._seq, rows, self.group))
+        self._send_all(transport, datagrams)
+
+    def _send_all(self, transport: asyncio.DatagramTransport, datagrams: list[bytes]) -> None:
+        """Each of `datagrams` to every peer address, counted (`on_sent`)."""
+        sent = errors = 0
+        for datagram in datagrams:
             for target in self._targets:
                 try:
                     transport.sendto(datagram, target)

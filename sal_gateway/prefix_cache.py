@@ -105,6 +105,10 @@ class PrefixTracker:
         """Called with ``(model, url, keys)`` after every `hold` that indexed blocks; what it
         returns is called when that hold is released. The workers'
         `sal_gateway.prefix_share` tells the other workers both (None: nobody)."""
+        self.on_route: Callable[[str, str, Sequence[int]], None] | None = None
+        """Called with ``(model, url, keys)`` after every `hold` that indexed blocks, and
+        nothing at its release: ``peers`` tells the gateways on other hosts
+        (`sal_gateway.peers.PeerNetwork.tell_blocks`; None: nobody)."""
 
     def _model(self, model: str) -> _ModelCache:
         cache = self._models.get(model)
@@ -195,6 +199,8 @@ class PrefixTracker:
             return None
         index, keys = cache.index, blocks.keys
         index.insert(url, keys, hold=True)
+        if self.on_route is not None:
+            self.on_route(model, url, keys)
         if self.on_hold is None:
             return lambda: index.release(url, keys)
         ended = self.on_hold(model, url, keys)
@@ -272,6 +278,20 @@ class PrefixTracker:
         if not self.tracking(model, url):
             return False
         cache.index.insert(url, keys, hold=True)
+        cache.reuse.touch(keys)
+        return True
+
+    def heard(self, model: str, url: str, keys: Sequence[int]) -> bool:
+        """A gateway on another host routed a prompt with these blocks to `url` (``peers``):
+        cached there, most recent, *unheld* (over lossy UDP nobody tells when that request
+        ends, so a hold could never be released for sure; a running request's blocks are
+        then charged as new KV by this gateway, never credited twice), and in the
+        fleet-reuse estimate. Ignored unless this gateway tracks `url` for `model`
+        (`tracking`). Returns whether the blocks were indexed."""
+        cache = self._models.get(model)
+        if cache is None or not keys or not self.tracking(model, url):
+            return False
+        cache.index.insert(url, keys, hold=False)
         cache.reuse.touch(keys)
         return True
 

@@ -9,7 +9,8 @@ cache-blind SAL (ties between idle replicas broken by fewer requests in flight) 
 each follow-up turn to the *other* replica; the cache-aware one must send it back to the
 replica that holds its prefix, in both directions. Last, the gateway as the CLI runs it with
 two workers: a turn through the worker that did not route the turn before it finds its prefix
-only when the workers share their index.
+only when the workers share their index; and as two gateways (on separate hosts as far as
+they know) telling each other over ``peers``: the same, only when they tell the blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import json
 import random
 import re
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -447,15 +449,104 @@ def test_a_turn_through_another_worker_finds_its_prefix_when_the_workers_share(
         before = [_counters(u) for u in urls]
         second = _complete(worker1, turn2)
         served = _served_by(urls, before, turn2)
-        predicted = re.findall(
-            r"^sal_prefix_predicted_hit_tokens_total\{[^}]*\} ([0-9.e+]+)$",
-            httpx.get(f"{worker1}/metrics", timeout=10.0).text,
-            re.M,
-        )
-    predicted_tokens = sum(float(v) for v in predicted)
-    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        predicted_tokens = _predicted_hit_tokens(worker1)
+    cached = _cached_tokens(second)
     if share:
         assert predicted_tokens >= 5 * BLOCK  # turn 1's blocks, learnt from worker 0
+        assert served == ran
+        assert cached >= 5 * BLOCK  # vLLM's own word: they were reused
+    else:
+        assert predicted_tokens == 0
+
+
+def _predicted_hit_tokens(gateway: str) -> float:
+    """The prompt tokens `gateway` predicted cached where it routed, over every model and
+    backend (``sal_prefix_predicted_hit_tokens_total``)."""
+    found = re.findall(
+        r"^sal_prefix_predicted_hit_tokens_total\{[^}]*\} ([0-9.e+]+)$",
+        httpx.get(f"{gateway}/metrics", timeout=10.0).text,
+        re.M,
+    )
+    return sum(float(v) for v in found)
+
+
+def _cached_tokens(response: dict[str, Any]) -> int:
+    """vLLM's own count of the prompt tokens it served from its prefix cache."""
+    return int((response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _free_udp_ports(count: int) -> list[int]:
+    """`count` UDP ports on 127.0.0.1 free a moment ago (the OS's choice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["blocks", "counts only"])
+def test_a_turn_through_another_gateway_finds_its_prefix_when_peers_tell_blocks(
+    replicas: tuple[list[str], list[str]], share: bool
+) -> None:
+    """Two gateways (the CLI, each its own process) in front of the two real replicas, told
+    of each other over ``peers`` (UDP on loopback), as two gateway pods behind one Service.
+    Turn 1 of a conversation goes through gateway A, turn 2 through gateway B. B never
+    routed turn 1: told its blocks by A (``peers.share_prefix_blocks``, the default) it
+    predicts them on the replica that ran turn 1, sends turn 2 there, and vLLM serves them
+    from its cache (its own ``cached_tokens``); told only A's counts it predicts nothing."""
+    urls, _ = replicas
+    first = free_port(19800, 19850)
+    ports = [first, free_port(first + 1, 19850)]
+    udp = _free_udp_ports(2)
+    configs = []
+    for i in range(2):
+        config = gateway_config(
+            ports[i],
+            urls,
+            tokenizer=None,
+            extra={
+                "peers": {
+                    "listen": f"127.0.0.1:{udp[i]}",
+                    "addresses": [f"127.0.0.1:{udp[1 - i]}"],
+                    "expire_s": 5.0,
+                    "share_prefix_blocks": share,
+                },
+                "log_level": "warning",
+            },
+        )
+        config["routing"].update(
+            {"prefix_min_match_tokens": 0, "poll_timeout_s": 1.0, "stale_after_s": 3.0}
+        )
+        configs.append(config)
+    rng = random.Random(f"peers-{share}")
+    conv = [rng.randrange(10, 1900) for _ in range(5 * BLOCK + 20)]
+    env = {"SAL_GATEWAY_PEERS_SECRET": "a shared secret for the tests"}
+    with run_gateway(configs[0], env=env) as gateway_a, run_gateway(configs[1], env=env) as b:
+        _wait_tracked(gateway_a, urls)
+        _wait_tracked(b, urls)
+        before = [_counters(u) for u in urls]
+        turn1 = _complete(gateway_a, conv)
+        ran = _served_by(urls, before, conv)
+        turn2 = [*conv, *turn1["choices"][0]["token_ids"], *range(40, 80)]
+        if share:  # A's blocks datagram is on its way over UDP: wait for it, not a fixed time
+            deadline = time.monotonic() + DEADLINE_S
+            while not re.search(
+                r'^sal_peer_datagrams_total\{result="blocks"\} [1-9]',
+                httpx.get(f"{b}/metrics", timeout=10.0).text,
+                re.M,
+            ):
+                assert time.monotonic() < deadline, "gateway B never indexed A's blocks"
+                time.sleep(0.1)
+        before = [_counters(u) for u in urls]
+        second = _complete(b, turn2)
+        served = _served_by(urls, before, turn2)
+        predicted_tokens = _predicted_hit_tokens(b)
+    cached = _cached_tokens(second)
+    if share:
+        assert predicted_tokens >= 5 * BLOCK  # turn 1's blocks, learnt from gateway A
         assert served == ran
         assert cached >= 5 * BLOCK  # vLLM's own word: they were reused
     else:

@@ -55,13 +55,16 @@ def _unstale(config: dict) -> dict:
     return config
 
 
-def _gateway(port: int, backends: list[str], peer_port: int, other: int | None) -> dict:
+def _gateway(
+    port: int, backends: list[str], peer_port: int, other: int | None, **peers: object
+) -> dict:
     extra: dict[str, object] = {"log_level": "warning"}
     if other is not None:
         extra["peers"] = {
             "listen": f"127.0.0.1:{peer_port}",
             "addresses": [f"127.0.0.1:{other}"],
             "expire_s": EXPIRE_S,
+            **peers,
         }
     return _unstale(gateway_config(port, backends, tokenizer=None, policy="sal", extra=extra))
 
@@ -302,3 +305,75 @@ def test_a_gateway_counts_the_lora_slot_the_other_gateway_just_filled(
             chosen = resp.headers["x-fake-backend"]
     other = {"a": "b", "b": "a"}[took]
     assert chosen == (other if share_adapters else took), (took, chosen)
+
+
+def _queue_seen(gateway: str, url: str, queued: float) -> None:
+    """Wait until `gateway` reports `queued` prefill tokens on backend `url`."""
+    wait_until(
+        lambda: (
+            metric(scrape_metrics(gateway), "sal_backend_queued_prefill_tokens", backend=url)
+            == queued
+        ),
+        30,
+        f"{gateway} never saw {queued} queued tokens on {url}",
+    )
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["blocks", "counts only"])
+def test_a_conversation_follows_its_prefix_whichever_gateway_its_turns_reach(
+    tmp_path: Path, share: bool
+) -> None:
+    """Turn 1 of a conversation goes through gateway A while replica a looks busy, so it
+    runs on b; then both replicas look idle and turn 2 (turn 1 plus a new message) goes
+    through gateway B, on another host as far as A knows (``peers`` over UDP). B never
+    routed turn 1: told its blocks by A (``peers.share_prefix_blocks``, the default) it
+    sends turn 2 where they are cached, b; told only A's counts, it sees an idle tie and
+    sends turn 2 to a, which would prefill the whole conversation again."""
+    ports = PortAllocator(22000, 22999)
+    fake_ports = [ports.take(), ports.take()]
+    gw = [ports.take(), ports.take()]
+    udp = [ports.take(), ports.take()]
+    turn1 = list(range(1000, 1000 + 100 * 16 + 3))  # past routing.prefix_min_match_tokens
+    turn2 = [*turn1, *range(50, 90)]
+    with fake_procs(tmp_path, fake_ports) as (a, b), ExitStack() as stack:
+        for fake in (a, b):
+            fake.fault(stats={"prefix_caching": True, "prefix_hash_algo": "sha256"})
+        a.fault(stats={"queued_prefill_tokens": 50_000})
+        backends = [a.url, b.url]
+        first, _ = stack.enter_context(
+            run_gateway_process(
+                _gateway(gw[0], backends, udp[0], udp[1], share_prefix_blocks=share),
+                env=SECRET_ENV,
+            )
+        )
+        second, _ = stack.enter_context(
+            run_gateway_process(
+                _gateway(gw[1], backends, udp[1], udp[0], share_prefix_blocks=share),
+                env=SECRET_ENV,
+            )
+        )
+        _queue_seen(first, a.url, 50_000)
+        for url in backends:  # B polled both (its index tracks only polled replicas)
+            _queue_seen(second, url, 50_000 if url == a.url else 0)
+        body = {"model": "tiny", "prompt": turn1, "max_tokens": 2}
+        resp = httpx.post(f"{first}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-fake-backend"] == "b"
+        if share:  # the blocks datagrams are on their way: wait for them, not a fixed time
+            wait_until(
+                lambda: (
+                    metric(scrape_metrics(second), "sal_peer_datagrams_total", result="blocks")
+                    is not None
+                ),
+                10,
+                "gateway B never indexed gateway A's blocks",
+            )
+        a.fault(stats={"queued_prefill_tokens": 0})
+        for url in backends:
+            _queue_seen(second, url, 0)
+        body = {"model": "tiny", "prompt": turn2, "max_tokens": 2}
+        resp = httpx.post(f"{second}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 200, resp.text
+        heard = metric(scrape_metrics(second), "sal_peer_datagrams_total", result="blocks")
+    assert resp.headers["x-fake-backend"] == ("b" if share else "a")
+    assert (heard or 0.0) == (1.0 if share else 0.0)  # 100 blocks: one datagram

@@ -20,16 +20,26 @@ import pytest
 
 from sal_gateway.config import ConfigError, PeersConfig, build_config
 from sal_gateway.peer_wire import (
+    BLOCK_KEYS_PER_DATAGRAM,
     MAX_ADAPTERS,
     MAX_DATAGRAM,
     MAX_ROWS,
     PeerRow,
     PeerWireError,
     decode,
+    decode_blocks,
     encode,
+    encode_blocks,
     fits,
 )
-from sal_gateway.peers import PeerNetwork, PeersError, bind_socket, load_secret, open_peer_link
+from sal_gateway.peers import (
+    MAX_BLOCK_DATAGRAMS,
+    PeerNetwork,
+    PeersError,
+    bind_socket,
+    load_secret,
+    open_peer_link,
+)
 from sal_gateway.shared_accounting import adapter_key, backend_key
 
 SECRET = b"0123456789abcdef-shared"
@@ -150,6 +160,9 @@ def test_peers_config_is_checked() -> None:
     assert ok.enabled
     assert ok.addresses == ("gw.ns.svc:7946",)
     assert not ok.share_adapters
+    assert ok.share_prefix_blocks  # on by default
+    off = _config(listen="0.0.0.0:7946", addresses=["a:1"], share_prefix_blocks=False)
+    assert not build_config(off).peers.share_prefix_blocks
     on = _config(listen="0.0.0.0:7946", addresses=["a:1"], share_adapters=True)
     assert build_config(on).peers.share_adapters
     assert not build_config(_config()).peers.enabled
@@ -162,6 +175,10 @@ def test_peers_config_is_checked() -> None:
         (_config(listen="0.0.0.0:1", addresses=["a:1"], expire_s=0.05), "exceed heartbeat"),
         (_config(listen="0.0.0.0:1", addresses=["a:1"], gossip=True), "unknown key"),
         (_config(listen="0.0.0.0:1", addresses=["a:1"], share_adapters="yes"), "share_adapters"),
+        (
+            _config(listen="0.0.0.0:1", addresses=["a:1"], share_prefix_blocks=1),
+            "share_prefix_blocks",
+        ),
     ]
     for data, message in bad:
         with pytest.raises(ConfigError, match=message):
@@ -391,3 +408,147 @@ async def test_a_gateway_restarted_on_the_same_address_replaces_its_old_counts_a
             first.sendto(encode(SECRET, 9, 1, [PeerRow(key, 2, 0, 0)]), to_b)
             await _until(lambda: b.others(key) == (3, 100, 100), 1.0)
             assert b.heard() == 2
+
+
+# --- prompt blocks (peers.share_prefix_blocks) -------------------------------------------
+
+
+def test_a_blocks_datagram_round_trips_signed_keys_and_fits_one_frame() -> None:
+    keys = [-(2**63), 2**63 - 1, *range(-5, BLOCK_KEYS_PER_DATAGRAM - 7)]
+    assert len(keys) == BLOCK_KEYS_PER_DATAGRAM
+    data = encode_blocks(SECRET, 42, 7, 99, keys, group=5)
+    assert len(data) <= MAX_DATAGRAM
+    message = decode_blocks(SECRET, data)
+    assert (message.sender, message.group, message.seq, message.key) == (42, 5, 7, 99)
+    assert list(message.keys) == keys
+    for wrong in ([], [*keys, 1]):
+        with pytest.raises(ValueError, match="block keys"):
+            encode_blocks(SECRET, 42, 8, 99, wrong)
+
+
+def test_a_release_without_blocks_drops_them_as_malformed_not_as_counts() -> None:
+    """During a rolling upgrade an older gateway reads a blocks datagram with `decode`: it
+    is refused (counted), never read as counts."""
+    data = encode_blocks(SECRET, 42, 7, 99, [1, 2, 3])
+    with pytest.raises(PeerWireError) as caught:
+        decode(SECRET, data)
+    assert caught.value.reason == "malformed"
+
+
+@pytest.mark.parametrize(
+    ("count", "keys"), [(0, 0), (3, 2), (2, 3)], ids=["none", "missing", "left over"]
+)
+def test_blocks_that_do_not_add_up_are_refused(count: int, keys: int) -> None:
+    body = struct.pack("<4sB3xQQQQH", b"SALB", 1, 42, 42, 7, 99, count)
+    body += struct.pack("<q", 5) * keys
+    tag = hmac.new(SECRET, body, hashlib.sha256).digest()[:16]
+    with pytest.raises(PeerWireError) as caught:
+        decode_blocks(SECRET, body + tag)
+    assert caught.value.reason == "malformed"
+
+
+@pytest.mark.parametrize("position", [0, 4, 12, 44, -1])
+def test_a_changed_blocks_byte_or_another_secret_is_refused(position: int) -> None:
+    data = bytearray(encode_blocks(SECRET, 42, 7, 99, [1, 2, 3]))
+    data[position] ^= 0x01
+    with pytest.raises(PeerWireError) as caught:
+        decode_blocks(SECRET, bytes(data))
+    assert caught.value.reason == "bad_tag"
+    with pytest.raises(PeerWireError) as caught:
+        decode_blocks(SECRET, encode_blocks(b"not the shared secret at all", 42, 7, 99, [1]))
+    assert caught.value.reason == "bad_tag"
+
+
+class _Heard:
+    """What `PeerNetwork.on_blocks` was called with; indexes only backend r1's blocks."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def __call__(self, model: str, url: str, keys: object) -> bool:
+        self.calls.append((model, url, tuple(keys)))  # type: ignore[arg-type]
+        return url == "http://r1:8000"
+
+    @classmethod
+    def on(cls, network: PeerNetwork, *urls: str) -> _Heard:
+        """Listen to `network`'s blocks, for backends r1 and `urls` of model m."""
+        heard = network.on_blocks = cls()
+        for url in ("http://r1:8000", *urls):
+            network.slot("m", url)
+        return heard
+
+
+async def test_routed_blocks_reach_the_other_gateway_in_runs_of_one_datagram() -> None:
+    """A prompt of 400 blocks goes out as 172 + 172 + 56 consecutive keys to every listed
+    address; the other gateway hands each run, for the backend it names, to its index."""
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (a, b):
+        heard = _Heard.on(b)
+        sent: list[tuple[int, int]] = []
+        a._on_sent = lambda n, errors: sent.append((n, errors))
+        keys = list(range(1000, 1400))
+        a.tell_blocks("m", "http://r1:8000", keys)
+        assert sent == [(3 * 2, 0)]  # 3 datagrams, to b and to a itself
+        await _until(lambda: len(heard.calls) == 3, 1.0)
+        assert [c[2] for c in heard.calls] == [
+            tuple(keys[:172]),
+            tuple(keys[172:344]),
+            tuple(keys[344:]),
+        ]
+        assert {c[:2] for c in heard.calls} == {("m", "http://r1:8000")}
+        assert pair.results[1]["blocks"] == 3
+        await _until(lambda: pair.results[0]["own"] >= 3, 1.0)  # its own came back, dropped
+        assert a.heard() == 0  # its own blocks do not make a peer
+        assert b.heard() == 1  # blocks prove a peer alive
+
+
+async def test_a_long_prompt_sends_at_most_max_block_datagrams() -> None:
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (a, b):
+        heard = _Heard.on(b)
+        a.tell_blocks("m", "http://r1:8000", list(range(100_000)))
+        await _until(lambda: len(heard.calls) == MAX_BLOCK_DATAGRAMS, 1.0)
+        told = [k for call in heard.calls for k in call[2]]
+        assert told == list(range(MAX_BLOCK_DATAGRAMS * BLOCK_KEYS_PER_DATAGRAM))  # the first
+
+
+async def test_blocks_for_an_unknown_or_untracked_backend_or_without_a_listener_are_ignored() -> (
+    None
+):
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (a, b):
+        a.tell_blocks("m", "http://r1:8000", [1, 2])  # b has no listener yet
+        await _until(lambda: pair.results[1]["blocks_ignored"] == 1, 1.0)
+        heard = _Heard.on(b, "http://r2:8000")
+        a.tell_blocks("m", "http://elsewhere:8000", [3])  # not a backend of b's
+        a.tell_blocks("m", "http://r2:8000", [4])  # b's, but its index does not track it
+        a.tell_blocks("m", "http://r1:8000", [5])
+        await _until(lambda: pair.results[1]["blocks"] == 1, 1.0)
+        assert pair.results[1]["blocks_ignored"] == 3
+        assert [c[2] for c in heard.calls] == [(4,), (5,)]  # never the unknown backend
+
+
+async def test_blocks_from_a_stranger_a_replay_or_the_same_host_do_not_count() -> None:
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (a, b):
+        heard = _Heard.on(b)
+        key = backend_key("m", "http://r1:8000")
+        port = b._sock.getsockname()[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as out:
+            stranger = encode_blocks(b"not the shared secret at all", 9, 1, key, [66])
+            newer = encode_blocks(SECRET, 9, 5, key, [55])
+            older = encode_blocks(SECRET, 9, 4, key, [44])
+            for data in (stranger, newer, older, newer):
+                out.sendto(data, ("127.0.0.1", port))
+            await _until(lambda: sum(pair.results[1].values()) >= 4, 1.0)
+        assert [c[2] for c in heard.calls] == [(55,)]
+        results = pair.results[1]
+        assert (results["bad_tag"], results["blocks"], results["old"]) == (1, 1, 2)
+        b.group = a.group  # the workers of one host share their index through memory
+        a.tell_blocks("m", "http://r1:8000", [77])
+        await _until(lambda: results["own"] >= 1, 1.0)
+        assert [c[2] for c in heard.calls] == [(55,)]

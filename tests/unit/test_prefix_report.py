@@ -242,10 +242,15 @@ def test_the_fleet_reuse_estimate_is_set_beside_the_best_measured_hit_rate(tmp_p
 def test_the_workers_section_pairs_told_workers_against_alone_and_one_gateway(
     tmp_path: Path,
 ) -> None:
-    # Per window: one gateway 1.0 s, 4 workers alone 3x worse, told 1.1x one gateway's.
+    # Per window: one gateway 1.0 s, 4 workers alone 3x worse, told 1.1x one gateway's; 8
+    # gateways on separate hosts 2x worse, told as good as one gateway.
     rows = []
+    setups = (
+        ("1 gateway", 1.0), ("4 workers", 3.0), ("4 workers, told", 1.1),
+        ("8 hosts", 2.0), ("8 hosts, told", 1.0),
+    )  # fmt: skip
     for seed, scale in enumerate((1.0, 1.2, 0.9)):
-        for setup, p50 in (("1 gateway", 1.0), ("4 workers", 3.0), ("4 workers, told", 1.1)):
+        for setup, p50 in setups:
             rows.append(
                 _row("sal", seed, p50 * scale, source="approximate", setup=setup, hit_rate=0.7)
             )
@@ -254,13 +259,15 @@ def test_the_workers_section_pairs_told_workers_against_alone_and_one_gateway(
     doc["results"]["workers"] = rows
     write_report(doc, tmp_path / "prefix.md")
     text = (tmp_path / "prefix.md").read_text()
-    assert "## Several workers of one host: is the prefix index shared?" in text
+    assert "## Several workers or gateways: is the prefix index shared?" in text
     assert "| sal | approximate | 4 workers | 3.00 (2.70-3.60) |" in text
     assert "| sal | oracle | 8 workers | 1.00 |" in text
     # alone / told: 3.0 / 1.1 on every window, a win for telling; told / one gateway 1.1x.
     assert (
-        "| sal | 4 | 2.73x [2.73-2.73], better on 3 of 3 (win) "
+        "| sal | 4 workers | 2.73x [2.73-2.73], better on 3 of 3 (win) "
         "| 2.73x [2.73-2.73], better on 3 of 3 (win) "
         "| 1.10x [1.10-1.10], better on 3 of 3 (win) |"
     ) in text
-    assert "| sal | 8 | n/a | n/a | n/a | n/a |" in text
+    assert "| sal | 8 hosts | 2.00x [2.00-2.00], better on 3 of 3 (win) " in text
+    assert "| sal | approximate | 8 hosts, told | 1.00 (0.90-1.20) |" in text
+    assert "| sal | 8 workers |" not in text  # not measured: no row

@@ -173,6 +173,14 @@ def _chat() -> list[TraceRequest]:
     return multi_turn_chat(spec, lengths, seed=3)
 
 
+def _hit_rate(reqs: list[TraceRequest], **kw: object) -> float:
+    """SAL's prefix-cache hit rate on 4 replicas with the approximate index and `kw`."""
+    router = RouterConfig("sal", seed=1, cache_source="approximate", **kw)  # type: ignore[arg-type]
+    result = simulate(reqs, replicas=4, router=router, enable_prefix_caching=True)
+    assert result.unfinished == 0
+    return result.summary.hit_rate
+
+
 def test_a_session_split_keeps_each_conversation_on_one_gateway() -> None:
     reqs = _chat()
     router = RouterConfig("sal", gateways=4, gateway_split="session", seed=1)
@@ -193,14 +201,29 @@ def test_workers_told_each_others_blocks_keep_the_reuse_one_gateway_keeps() -> N
     reqs = _chat()
 
     def hit_rate(**kw: object) -> float:
-        router = RouterConfig("sal", seed=1, cache_source="approximate", **kw)  # type: ignore[arg-type]
-        result = simulate(reqs, replicas=4, router=router, enable_prefix_caching=True)
-        assert result.unfinished == 0
-        return result.summary.hit_rate
+        return _hit_rate(reqs, **kw)
 
     workers = {"gateways": 4, "gateway_split": "random", "shared_accounting": True}
     one = hit_rate()
     alone = hit_rate(**workers)
     told = hit_rate(**workers, share_prefix_index=True)
+    assert alone < one - 0.15
+    assert told > one - 0.05
+
+
+def test_gateways_on_other_hosts_told_each_others_blocks_keep_the_reuse_one_keeps() -> None:
+    """The same with 4 gateways on separate hosts (``peers``: counts 1 ms after each change)
+    that also tell each other their routed blocks (``peers.share_prefix_blocks``), arriving
+    1 ms later and indexed unheld: they find the conversations' prefixes as one gateway does;
+    without the blocks they lose them."""
+    reqs = _chat()
+
+    def hit_rate(**kw: object) -> float:
+        return _hit_rate(reqs, **kw)
+
+    hosts = {"gateways": 4, "gateway_split": "random", "gossip_interval_s": 0.0}
+    one = hit_rate()
+    alone = hit_rate(**hosts)
+    told = hit_rate(**hosts, peer_prefix_blocks=True)
     assert alone < one - 0.15
     assert told > one - 0.05
