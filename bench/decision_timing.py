@@ -282,16 +282,13 @@ def time_prefix_tracking(
 def _time_peer_blocks(
     keys: tuple[int, ...], url: str, gateways: int, reps: int
 ) -> list[PrefixCost]:
-    """``peers.share_prefix_blocks`` at `gateways` gateways: telling the 7 others a request
+    """``peers.share_prefix_blocks`` at `gateways` gateways: telling the others a request
     was routed (sign its blocks into datagrams, one ``sendto`` each per peer, over loopback
-    UDP; the receivers drain between calls, untimed), and indexing another gateway's routed
-    request (decode and check each datagram, index its blocks unheld)."""
+    UDP; the receivers drain between calls, untimed), and applying another gateway's routed
+    request and its end (check and decode each datagram, index its blocks as held, release
+    them)."""
     import asyncio
-    import socket
 
-    from sal_gateway.config import PeersConfig
-    from sal_gateway.peer_wire import BLOCK_KEYS_PER_DATAGRAM, decode_blocks, encode_blocks
-    from sal_gateway.peers import MAX_BLOCK_DATAGRAMS, PeerNetwork
     from sal_gateway.prefix_cache import PrefixTracker
 
     secret = b"a shared secret of enough bytes"
@@ -299,61 +296,69 @@ def _time_peer_blocks(
     polled = _state_table(1, 0).backends(_MODEL)[0].stats
     assert polled is not None
     tracker.observe(_MODEL, url, replace(polled, prefix_caching=True))
-    step = BLOCK_KEYS_PER_DATAGRAM
-    told = keys[: step * MAX_BLOCK_DATAGRAMS]
-    datagrams = [
-        encode_blocks(secret, 7, i + 1, 99, told[start : start + step])
-        for i, start in enumerate(range(0, len(told), step))
-    ]
 
-    def apply_request() -> None:
-        for datagram in datagrams:
-            tracker.heard(_MODEL, url, decode_blocks(secret, datagram).keys)
-
-    async def tell_samples() -> list[float]:
+    async def samples() -> tuple[list[float], list[float], int]:
         others = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(gateways - 1)]
-        own = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        for sock in (*others, own):
+        for sock in others:
             sock.bind(("127.0.0.1", 0))
             sock.setblocking(False)
         config = PeersConfig(
             listen="127.0.0.1:0",
             addresses=tuple(f"127.0.0.1:{s.getsockname()[1]}" for s in others),
         )
-        network = PeerNetwork(config, secret, own)
-        await network.start()
+        sender = PeerNetwork(config, secret, _udp_socket())
+        receiver = PeerNetwork(config, secret, _udp_socket())
+        receiver.slot(_MODEL, url)
+        receiver.on_blocks = tracker.told
+        await sender.start()
         try:
-            samples = []
+            tell, apply = [], []
             for _ in range(reps):
                 start = time.perf_counter()
-                network.tell_blocks(_MODEL, url, keys)
-                samples.append((time.perf_counter() - start) * 1e6)
+                ended = sender.tell_blocks(_MODEL, url, keys)
+                tell.append((time.perf_counter() - start) * 1e6)
+                ended()
+                got = []
                 for sock in others:  # untimed: the peers read them
                     while True:
                         try:
-                            sock.recv(2048)
+                            got.append(sock.recv(2048))
                         except BlockingIOError:
                             break
-            return samples
+                mine = got[: len(got) // len(others)]  # what the first peer received
+                start = time.perf_counter()
+                for datagram in mine:
+                    receiver.datagram_received(datagram, ("127.0.0.1", 9))
+                apply.append((time.perf_counter() - start) * 1e6)
+            return tell, apply, len(mine) - 1
         finally:
-            await network.close()
+            await sender.close()
             for sock in others:
                 sock.close()
 
-    samples = asyncio.run(tell_samples())
+    tell, apply, datagrams = asyncio.run(samples())
     return [
         PrefixCost(
             f"peers ({gateways} gateways): tell the others a request was routed "
-            f"({len(keys)} blocks, {len(datagrams)} datagrams each)",
-            percentile(samples, 50),
-            percentile(samples, 99),
+            f"({len(keys)} blocks, {datagrams} datagrams each)",
+            percentile(tell, 50),
+            percentile(tell, 99),
         ),
         PrefixCost(
-            f"peers: index another gateway's routed request ({len(datagrams)} datagrams: "
-            "check, decode, index unheld)",
-            *_timed(apply_request, reps),
+            f"peers: apply another gateway's routed request and its end ({datagrams} + 1 "
+            "datagrams: check, decode, index as held, release)",
+            percentile(apply, 50),
+            percentile(apply, 99),
         ),
     ]
+
+
+def _udp_socket() -> socket.socket:
+    """A non-blocking UDP socket on a free loopback port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
 
 
 def _time_prefix_share(

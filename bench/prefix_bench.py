@@ -490,13 +490,21 @@ WORKER_SETUPS: dict[str, dict[str, Any]] = {
         "gossip_interval_s": 0.0,
         "peer_prefix_blocks": True,
     },
+    "8 hosts, told unheld": {
+        "gateways": 8,
+        "shared_accounting": False,
+        "gossip_interval_s": 0.0,
+        "peer_prefix_blocks": True,
+        "peer_prefix_holds": False,
+    },
 }
 """The gateway setups of ``--only workers``: workers share their between-poll accounting
 (``listen.share_accounting``) and get connections at random (the kernel spreads a chat
 application's pooled connections over them); "told": ``listen.share_prefix_index``.
 "hosts": gateways on separate hosts, told each other's counts by ``peers`` (1 ms away);
-"hosts, told": and the blocks of the prompts they route (``peers.share_prefix_blocks``),
-which they index unheld."""
+"hosts, told": and the blocks of the prompts they route and their ends
+(``peers.share_prefix_blocks``), which they hold until the end; "told unheld": without
+the ends, indexed unheld (a what-if)."""
 
 
 def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:

@@ -446,8 +446,9 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
         "unless the workers tell each other (`listen.share_prefix_index`, on by default: "
         '"told"). The `hosts` rows are gateways on separate hosts behind one Service, also '
         "reached at random: `peers` tells the others each gateway's counts 1 ms after every "
-        'change and, in "8 hosts, told", the blocks of every prompt it routes '
-        "(`peers.share_prefix_blocks`, on by default), indexed unheld 1 ms later. "
+        'change and, in "8 hosts, told", the blocks of every prompt it routes and its end '
+        "(`peers.share_prefix_blocks`, on by default), held in between, 1 ms later; "
+        '"told unheld" (a what-if): the blocks indexed unheld, the ends not told. '
         "`oracle` is SAL on the engines' true cache contents, what `kv_events` gives every "
         "worker. `sal-bench prefix --only workers`; "
         f"{_runs(rows)}; fcfs engines. Ratios are paired per window "

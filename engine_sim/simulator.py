@@ -140,10 +140,13 @@ class RouterConfig:
     gateway routed."""
     peer_prefix_blocks: bool = False
     """Several gateways (`gateways` > 1) on separate hosts tell each other the blocks of
-    every prompt they route (``peers.share_prefix_blocks``), which reach the others
-    `gossip_delay_s` later; each stores them in its ``approximate`` index as cached there,
-    most recent and *unheld* (a lost datagram must not pin blocks, so the gateway holds
-    none it was told over the network). False: each indexes only what it routed."""
+    every prompt they route and when its request ends (``peers.share_prefix_blocks``),
+    which reach the others `gossip_delay_s` later; each indexes them as cached there, most
+    recent, held until the end arrives. False: each indexes only what it routed."""
+    peer_prefix_holds: bool = True
+    """With `peer_prefix_blocks`: the told blocks are held until the request's end arrives
+    (the gateway's rule). False: indexed unheld and nobody tells the end (a what-if: the
+    first version of ``peers.share_prefix_blocks``)."""
     cache_source: str = "none"
     """What the router knows of each replica's prefix cache (`engine_sim.router_cache`):
     ``"none"``, ``"approximate"`` (its own index of routed blocks; each gateway its own) or
@@ -433,7 +436,7 @@ class Simulation:
         ]
         # Prompt blocks the other gateways told each one over the network (peer_prefix_blocks):
         # (time it hears them, replica, keys), in the order they arrive.
-        self._heard_blocks: list[deque[tuple[float, int, list[int]]]] = [
+        self._heard_blocks: list[deque[tuple[float, int, list[int], bool | None]]] = [
             deque() for _ in range(cfg.gateways)
         ]
         # The paper's Eq. 2 counts every prompt token on every replica, also between polls.
@@ -579,8 +582,13 @@ class Simulation:
         if self._router_cfg.peer_prefix_blocks:
             heard_blocks = self._heard_blocks[gateway]
             while heard_blocks and heard_blocks[0][0] <= now_s:
-                _, told_replica, told_keys = heard_blocks.popleft()
-                cache.on_heard(told_replica, told_keys)
+                _, told_replica, told_keys, told_held = heard_blocks.popleft()
+                if told_held is None:
+                    cache.on_heard(told_replica, told_keys)
+                elif told_held:
+                    cache.on_told(told_replica, told_keys)
+                else:
+                    cache.on_finish(told_replica, told_keys)
         holds = cache.lookup(keys)
         counts: list[tuple[int, int, int] | None] = [None] * len(views)
         if self._router_cfg.shared_accounting and len(self._views) > 1:
@@ -657,9 +665,10 @@ class Simulation:
                         other.on_told(replica, keys)
             if self._router_cfg.peer_prefix_blocks:
                 heard_at_s = now_s + self._router_cfg.gossip_delay_s
+                held = True if self._router_cfg.peer_prefix_holds else None
                 for g, heard_blocks in enumerate(self._heard_blocks):
                     if g != gateway:
-                        heard_blocks.append((heard_at_s, replica, keys))
+                        heard_blocks.append((heard_at_s, replica, keys, held))
             self._keys[request_id] = keys
             self._predicted[request_id] = holds[replica].cached_tokens
         self._routed[replica] += 1
@@ -742,6 +751,11 @@ class Simulation:
                 told = self._caches if self._router_cfg.share_prefix_index else ()
                 for cache in told or (self._caches[gateway],):
                     cache.on_finish(replica, keys)
+                if self._router_cfg.peer_prefix_blocks and self._router_cfg.peer_prefix_holds:
+                    heard_at_s = now_s + self._router_cfg.gossip_delay_s
+                    for g, heard_blocks in enumerate(self._heard_blocks):
+                        if g != gateway:
+                            heard_blocks.append((heard_at_s, replica, keys, False))
             self._betas[gateway].observe(req.prompt_tokens, req.output_tokens)
             self._outcomes.append(
                 RequestOutcome(

@@ -308,7 +308,7 @@ async def build_runtime(
             logger.warning("prefix index not shared with the other workers: %s", exc)
             await share.aclose()
         else:
-            prefix.on_hold = share.tell
+            prefix.hold_listeners.append(share.tell)
             runtime.prefix_share = share
     if (
         prefix is not None
@@ -316,8 +316,8 @@ async def build_runtime(
         and routing.prefix_cache == "approximate"
         and config.peers.share_prefix_blocks
     ):
-        prefix.on_route = network.tell_blocks
-        network.on_blocks = prefix.heard
+        prefix.hold_listeners.append(network.tell_blocks)
+        network.on_blocks = prefix.told
     if prefix is not None and routing.prefix_cache == "kv_events":
         from sal_gateway.kv_subscriber import KvEventSubscribers
 

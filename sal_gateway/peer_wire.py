@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 MAGIC = b"SALP"
@@ -186,33 +186,44 @@ BLOCKS_MAGIC = b"SALB"
 """First bytes of a prompt-blocks datagram (`encode_blocks`): a release that does not know
 them counts such a datagram ``malformed`` after its tag checks out, and drops it."""
 BLOCKS_VERSION = 1
-_BLOCKS_HEADER = struct.Struct("<4sB3xQQQQH")
+ROUTED, ENDED, WATERMARK = 1, 2, 3
+"""Kinds of prompt-blocks datagram: some blocks of a routed request's prompt; that request
+ended; only the sender's watermark (sent with its heartbeat)."""
+KINDS = (ROUTED, ENDED, WATERMARK)
+_BLOCKS_HEADER = struct.Struct("<4sBB2xQQQQQQH")
 _BLOCK_KEY = struct.Struct("<q")
 BLOCK_KEYS_PER_DATAGRAM = (MAX_DATAGRAM - _BLOCKS_HEADER.size - TAG_BYTES) // _BLOCK_KEY.size
-"""Block keys one datagram carries: 172 (42-byte header, 16-byte tag, 8 bytes a key)."""
+"""Block keys one datagram carries: 170 (58-byte header, 16-byte tag, 8 bytes a key)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PeerBlocks:
-    """Some prompt blocks the sender routed to one backend, in prompt order: version 1 of
-    the layout ::
+    """A prompt-blocks datagram, version 1 of the layout ::
 
-        header  magic b"SALB" | version u8 | reserved 3 bytes | sender u64 | group u64
-                | seq u64 | backend key u64 | keys u16
+        header  magic b"SALB" | version u8 | kind u8 | reserved 2 bytes | sender u64
+                | group u64 | seq u64 | request u64 | oldest u64 | backend key u64
+                | keys u16
         keys    that many chained block keys i64 (`sal_core.prefix.chain_hashes`: Python's
                 hash of integer tuples, the same in every process and host)
         tag     the first 16 bytes of HMAC-SHA256(secret, header + keys)
 
-    `sender`, `group` and `seq` as in `PeerMessage` (one sequence for both kinds); `key` the
-    backend's `sal_gateway.shared_accounting.backend_key`. A prompt longer than
-    `BLOCK_KEYS_PER_DATAGRAM` blocks takes several datagrams, each a run of consecutive keys
-    (chained keys name their whole prefix, so each run is meaningful on its own)."""
+    `sender`, `group` and `seq` as in `PeerMessage` (one sequence for both kinds of
+    datagram). `request` numbers the sender's routed requests (from 1, growing); `oldest`
+    is the lowest number among its requests that have not ended (the next number when
+    none): every request below it has ended, whatever datagram was lost. `kind` `ROUTED`:
+    1 to `BLOCK_KEYS_PER_DATAGRAM` keys of `request`'s prompt, a run of consecutive keys
+    (chained keys name their whole prefix, so each run means something alone), sent to
+    backend `key` (`sal_gateway.shared_accounting.backend_key`); `ENDED`: `request` ended
+    (no keys, `key` 0); `WATERMARK`: only `oldest` (`request`, `key` 0, no keys)."""
 
+    kind: int
     sender: int
     group: int
     seq: int
-    key: int
-    keys: tuple[int, ...]
+    request: int
+    oldest: int
+    key: int = 0
+    keys: tuple[int, ...] = ()
 
 
 def is_blocks(datagram: bytes) -> bool:
@@ -220,32 +231,46 @@ def is_blocks(datagram: bytes) -> bool:
     return datagram[:4] == BLOCKS_MAGIC
 
 
-def encode_blocks(
-    secret: bytes, sender: int, seq: int, key: int, keys: Sequence[int], group: int | None = None
-) -> bytes:
-    """One datagram of 1 to `BLOCK_KEYS_PER_DATAGRAM` block `keys` for backend `key`."""
-    if not 0 < len(keys) <= BLOCK_KEYS_PER_DATAGRAM:
-        raise ValueError(f"{len(keys)} block keys; one datagram holds 1 to "
-                         f"{BLOCK_KEYS_PER_DATAGRAM}")  # fmt: skip
-    group = sender if group is None else group
-    header = _BLOCKS_HEADER.pack(BLOCKS_MAGIC, BLOCKS_VERSION, sender, group, seq, key, len(keys))
-    body = header + struct.pack(f"<{len(keys)}q", *keys)
+def encode_blocks(secret: bytes, message: PeerBlocks) -> bytes:
+    """One datagram of `message` (`ValueError` when its keys do not suit its kind)."""
+    _check_blocks(message.kind, len(message.keys), ValueError)
+    body = _BLOCKS_HEADER.pack(
+        BLOCKS_MAGIC, BLOCKS_VERSION, message.kind, message.sender, message.group, message.seq,
+        message.request, message.oldest, message.key, len(message.keys),
+    ) + struct.pack(f"<{len(message.keys)}q", *message.keys)  # fmt: skip
     return body + hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
 
 
 def decode_blocks(secret: bytes, datagram: bytes) -> PeerBlocks:
-    """The prompt blocks in `datagram`, or `PeerWireError` (tag checked first, as `decode`)."""
+    """The prompt-blocks message in `datagram`, or `PeerWireError` (tag checked first, as
+    `decode` does)."""
     size = len(datagram)
-    if size < _BLOCKS_HEADER.size + _BLOCK_KEY.size + TAG_BYTES or size > MAX_DATAGRAM:
+    if size < _BLOCKS_HEADER.size + TAG_BYTES or size > MAX_DATAGRAM:
         raise PeerWireError(f"blocks datagram of {size} bytes", "malformed")
     body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
     expected = hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
     if not hmac.compare_digest(tag, expected):
         raise PeerWireError("tag does not match the shared secret", "bad_tag")
-    magic, version, sender, group, seq, key, count = _BLOCKS_HEADER.unpack_from(body)
+    magic, version, kind, sender, group, seq, request, oldest, key, count = (
+        _BLOCKS_HEADER.unpack_from(body)
+    )
     if magic != BLOCKS_MAGIC or version != BLOCKS_VERSION:
         raise PeerWireError(f"magic {magic!r} version {version}", "malformed")
-    if count == 0 or _BLOCKS_HEADER.size + count * _BLOCK_KEY.size != len(body):
+    _check_blocks(kind, count, _malformed)
+    if _BLOCKS_HEADER.size + count * _BLOCK_KEY.size != len(body):
         raise PeerWireError(f"{count} block keys in {len(body)} bytes", "malformed")
     keys = struct.unpack_from(f"<{count}q", body, _BLOCKS_HEADER.size)
-    return PeerBlocks(sender, group, seq, key, keys)
+    return PeerBlocks(kind, sender, group, seq, request, oldest, key, keys)
+
+
+def _malformed(message: str) -> PeerWireError:
+    return PeerWireError(message, "malformed")
+
+
+def _check_blocks(kind: int, count: int, error: Callable[[str], Exception]) -> None:
+    if kind not in KINDS:
+        raise error(f"blocks datagram of kind {kind}")
+    if kind == ROUTED and not 0 < count <= BLOCK_KEYS_PER_DATAGRAM:
+        raise error(f"{count} block keys; one datagram holds 1 to {BLOCK_KEYS_PER_DATAGRAM}")
+    if kind != ROUTED and count:
+        raise error(f"{count} block keys in a datagram of kind {kind}")

@@ -59,10 +59,13 @@ from dataclasses import dataclass, field
 from sal_gateway.config import PeersConfig, split_host_port
 from sal_gateway.peer_wire import (
     BLOCK_KEYS_PER_DATAGRAM,
+    ENDED,
     MAX_ADAPTERS,
     MIN_SECRET_BYTES,
     ROOM,
+    ROUTED,
     V1_ROWS,
+    WATERMARK,
     PeerBlocks,
     PeerMessage,
     PeerRow,
@@ -82,8 +85,16 @@ MAX_PEERS = 1024
 """Senders remembered at once (each needs the secret; a bound all the same)."""
 MAX_BLOCK_DATAGRAMS = 8
 """Datagrams of prompt blocks per routed request and peer (`PeerNetwork.tell_blocks`): the
-first 8 x 172 = 1,376 blocks, 22,016 tokens with vLLM's default 16-token blocks. A longer
-prompt's later blocks stay unknown to the peers, which still find its first 22k tokens."""
+first 8 x 170 = 1,360 blocks, 21,760 tokens with vLLM's default 16-token blocks. A longer
+prompt's later blocks stay unknown to the peers, which still find its first 21k tokens."""
+MAX_HELD_RUNS = 65_536
+"""Runs of blocks (one routed datagram each) held for one peer at once: a bound on what a
+peer that never says its requests ended can pin (a bug, or a peer with the secret that
+lies)."""
+
+
+def _nothing() -> None:
+    """The end of a request nobody was told of."""
 
 
 class PeersError(ValueError):
@@ -155,8 +166,13 @@ class _Peer:
     rows: dict[int, tuple[int, int, int, int, tuple[int, ...]]] = field(default_factory=dict)
     """Backend key -> (seq of the datagram that set it, in flight, tokens, KV tokens,
     pending LoRA adapters)."""
-    blocks_seq: int = 0
-    """Seq of the newest prompt-blocks datagram applied (older ones are dropped)."""
+    holds: dict[int, dict[int, tuple[str, str, tuple[int, ...]]]] = field(default_factory=dict)
+    """Its requests whose prompt blocks this gateway's index holds for it: request number ->
+    first key of each run -> (model, url, keys) (`PeerNetwork._apply_blocks`)."""
+    held_runs: int = 0
+    """Runs in `holds`, all requests together (at most `MAX_HELD_RUNS`)."""
+    watermark: int = 0
+    """Its newest `PeerBlocks.oldest`: every request numbered below has ended."""
 
 
 Metrics = Callable[[str], None]
@@ -199,11 +215,16 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._flush_pending = False
         self._tasks: list[asyncio.Task[None]] = []
         self._backends: dict[int, tuple[str, str]] = {}
-        self.on_blocks: Callable[[str, str, Sequence[int]], bool] | None = None
-        """Called with ``(model, url, keys)`` for the prompt blocks a peer routed to a
-        backend this gateway knows (``peers.share_prefix_blocks``; the tracker's
-        `sal_gateway.prefix_cache.PrefixTracker.heard`); returns whether it indexed them.
-        None: blocks datagrams are counted ``blocks_ignored`` and dropped."""
+        self._request = 0
+        self._told: dict[int, None] = {}
+        """This gateway's told requests that have not ended, oldest first."""
+        self.on_blocks: Callable[[str, str, Sequence[int], bool], bool] | None = None
+        """Called with ``(model, url, keys, True)`` for the prompt blocks a peer routed to a
+        backend this gateway knows, and with ``False`` when that request ended
+        (``peers.share_prefix_blocks``; the tracker's
+        `sal_gateway.prefix_cache.PrefixTracker.told`). Returns, for ``True``, whether the
+        blocks are now held for that request (only then are they released later). None:
+        blocks datagrams are counted ``blocks_ignored`` and dropped."""
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -248,27 +269,53 @@ class PeerNetwork(asyncio.DatagramProtocol):
 
     # --- prompt blocks (peers.share_prefix_blocks) -------------------------------------
 
-    def tell_blocks(self, model: str, url: str, keys: Sequence[int]) -> None:
+    def tell_blocks(self, model: str, url: str, keys: Sequence[int]) -> Callable[[], None]:
         """This gateway routed a prompt with block `keys` to `url`: send its first
-        `MAX_BLOCK_DATAGRAMS` datagrams of keys to every peer now. Fire and forget: a peer
-        indexes them unheld (a lost datagram, or one about a request that has ended since,
-        can then pin nothing), and nobody is told when the request ends."""
+        `MAX_BLOCK_DATAGRAMS` runs of keys to every peer now, numbered as one request.
+        Returns what to call when that request ends: it tells the peers, which then release
+        the blocks they hold for it. Every datagram also carries the oldest request not
+        ended, so a peer that missed an end releases those blocks once every request up to
+        it has ended (or when it stops hearing this gateway, `PeersConfig.expire_s`)."""
         transport = self._transport
         if transport is None or not self._targets or not keys:
-            return
+            return _nothing
         key = backend_key(model, url)
         self._backends.setdefault(key, (model, url))
+        self._request += 1
+        request = self._request
+        self._told[request] = None
+        oldest = next(iter(self._told))
         step = BLOCK_KEYS_PER_DATAGRAM
         datagrams = []
         for start in range(0, min(len(keys), step * MAX_BLOCK_DATAGRAMS), step):
-            self._seq += 1
-            datagrams.append(
-                encode_blocks(
-                    self._secret, self.sender, self._seq, key, keys[start : start + step],
-                    self.group,
-                )
-            )  # fmt: skip
+            run = tuple(keys[start : start + step])
+            datagrams.append(self._blocks_datagram(ROUTED, request, oldest, key, run))
         self._send_all(transport, datagrams)
+
+        def ended() -> None:
+            if request not in self._told:
+                return  # called twice
+            del self._told[request]
+            if self._transport is not None and not self._transport.is_closing():
+                self._send_all(self._transport, [self._blocks_datagram(ENDED, request)])
+
+        return ended
+
+    def _blocks_datagram(
+        self,
+        kind: int,
+        request: int,
+        oldest: int | None = None,
+        key: int = 0,
+        keys: tuple[int, ...] = (),
+    ) -> bytes:
+        """A signed prompt-blocks datagram with the next sequence number (`oldest` None:
+        this gateway's oldest told request not ended now)."""
+        if oldest is None:
+            oldest = next(iter(self._told), self._request + 1)
+        self._seq += 1
+        message = PeerBlocks(kind, self.sender, self.group, self._seq, request, oldest, key, keys)
+        return encode_blocks(self._secret, message)
 
     def publish(
         self, key: int, counts: tuple[int, int, int], adapters: tuple[int, ...] = ()
@@ -350,21 +397,64 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._on_datagram("accepted")
 
     def _apply_blocks(self, peer: _Peer, message: PeerBlocks, now: float) -> None:
-        """Prompt blocks, newer than the last ones applied from that sender, about a backend
-        this gateway routes to: they go to `on_blocks` (``result="blocks"``;
-        ``"blocks_ignored"`` when the backend is unknown here or not tracked, or nobody
-        listens)."""
-        if message.seq <= peer.blocks_seq:
-            self._on_datagram("old")  # reordered or replayed
-            return
-        peer.blocks_seq = message.seq
+        """Hold the blocks of a routed request for the peer (``result="blocks"``;
+        ``"blocks_ignored"`` when the backend is unknown here or not tracked, nobody
+        listens, or the peer holds `MAX_HELD_RUNS` runs already; ``"old"`` for a request
+        that has ended or a run held already: reordered or replayed), release them when it
+        ended, and everything below the peer's watermark."""
         peer.heard_s = now
+        self._advance(peer, message.oldest)
+        request = message.request
+        if message.kind == ENDED:
+            self._release(peer, request)
+            self._on_datagram("accepted")
+            return
+        if message.kind == WATERMARK:
+            self._on_datagram("accepted")
+            return
+        runs = peer.holds.get(request)
+        if request < peer.watermark or (runs is not None and message.keys[0] in runs):
+            self._on_datagram("old")
+            return
         backend = self._backends.get(message.key)
         listener = self.on_blocks
-        if backend is None or listener is None or not listener(*backend, message.keys):
+        if (
+            backend is None
+            or listener is None
+            or peer.held_runs >= MAX_HELD_RUNS
+            or not listener(*backend, message.keys, True)
+        ):
             self._on_datagram("blocks_ignored")
             return
+        if runs is None:
+            runs = peer.holds[request] = {}
+        runs[message.keys[0]] = (*backend, message.keys)
+        peer.held_runs += 1
         self._on_datagram("blocks")
+
+    def _advance(self, peer: _Peer, oldest: int) -> None:
+        """The peer says every request below `oldest` has ended: release their holds."""
+        if oldest <= peer.watermark:
+            return
+        peer.watermark = oldest
+        for request in [r for r in peer.holds if r < oldest]:
+            self._release(peer, request)
+
+    def _release(self, peer: _Peer, request: int) -> None:
+        runs = peer.holds.pop(request, None)
+        if runs is None:
+            return
+        peer.held_runs -= len(runs)
+        listener = self.on_blocks
+        if listener is not None:
+            for model, url, keys in runs.values():
+                listener(model, url, keys, False)
+
+    def _drop(self, sender: int) -> None:
+        """Forget `sender` (expired, or restarted as a new sender): release what it held."""
+        peer = self._peers.pop(sender)
+        for request in list(peer.holds):
+            self._release(peer, request)
 
     def _peer(self, sender: int, addr: tuple[object, ...], now: float) -> _Peer | None:
         """The record of `sender`, new if need be (None, counted, when too many live)."""
@@ -373,7 +463,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
             # A new sender from the address another one used is that gateway restarted (one
             # socket, one process): its old counts go now, not after expire_s.
             for old in [s for s, p in self._peers.items() if p.addr == tuple(addr)]:
-                del self._peers[old]
+                self._drop(old)
             if len(self._peers) >= MAX_PEERS:
                 self._forget(now)
                 if len(self._peers) >= MAX_PEERS:
@@ -389,7 +479,7 @@ class PeerNetwork(asyncio.DatagramProtocol):
     def _forget(self, now: float) -> None:
         cutoff = now - self.config.expire_s
         for sender in [s for s, p in self._peers.items() if p.heard_s < cutoff]:
-            del self._peers[sender]
+            self._drop(sender)
 
     # --- sending -----------------------------------------------------------------------
 
@@ -427,6 +517,9 @@ class PeerNetwork(asyncio.DatagramProtocol):
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             self._send(sorted(self._own), announce=True)
+            if self._request and self._transport is not None:
+                # The watermark: a peer that missed an end releases those blocks now.
+                self._send_all(self._transport, [self._blocks_datagram(WATERMARK, 0)])
             self._forget(self._clock())
 
     async def _keep_resolving(self) -> None:

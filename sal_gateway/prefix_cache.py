@@ -101,14 +101,11 @@ class PrefixTracker:
             raise ValueError(f"prefix cache mode must be approximate or kv_events, got {mode!r}")
         self.mode = mode
         self._models: dict[str, _ModelCache] = {}
-        self.on_hold: Callable[[str, str, Sequence[int]], Callable[[], None]] | None = None
-        """Called with ``(model, url, keys)`` after every `hold` that indexed blocks; what it
-        returns is called when that hold is released. The workers'
-        `sal_gateway.prefix_share` tells the other workers both (None: nobody)."""
-        self.on_route: Callable[[str, str, Sequence[int]], None] | None = None
-        """Called with ``(model, url, keys)`` after every `hold` that indexed blocks, and
-        nothing at its release: ``peers`` tells the gateways on other hosts
-        (`sal_gateway.peers.PeerNetwork.tell_blocks`; None: nobody)."""
+        self.hold_listeners: list[Callable[[str, str, Sequence[int]], Callable[[], None]]] = []
+        """Each is called with ``(model, url, keys)`` after every `hold` that indexed blocks;
+        what it returns is called when that hold is released. The workers'
+        `sal_gateway.prefix_share` tells the other workers of this host both, ``peers``
+        the gateways on other hosts (`sal_gateway.peers.PeerNetwork.tell_blocks`)."""
 
     def _model(self, model: str) -> _ModelCache:
         cache = self._models.get(model)
@@ -199,15 +196,14 @@ class PrefixTracker:
             return None
         index, keys = cache.index, blocks.keys
         index.insert(url, keys, hold=True)
-        if self.on_route is not None:
-            self.on_route(model, url, keys)
-        if self.on_hold is None:
+        if not self.hold_listeners:
             return lambda: index.release(url, keys)
-        ended = self.on_hold(model, url, keys)
+        ends = [listener(model, url, keys) for listener in self.hold_listeners]
 
         def release() -> None:
             index.release(url, keys)
-            ended()
+            for ended in ends:
+                ended()
 
         return release
 
@@ -261,10 +257,11 @@ class PrefixTracker:
             cache.reuse.touch(keys)
 
     def told(self, model: str, url: str, keys: Sequence[int], held: bool) -> bool:
-        """Another worker of this host routed a prompt with these blocks to `url` (`held`),
-        or that request ended (not `held`) (`sal_gateway.prefix_share`). Routed: cached
-        there, most recent, held until the other worker says the request ended; and in the
-        fleet-reuse estimate, so that it covers every worker's traffic. Ended: unheld, as
+        """Another worker of this host (`sal_gateway.prefix_share`) or a gateway on another
+        host (``peers``, `sal_gateway.peers`) routed a prompt with these blocks to `url`
+        (`held`), or that request ended (not `held`). Routed: cached there, most recent,
+        held until the other one says the request ended; and in the fleet-reuse estimate,
+        so that it covers every worker's and gateway's traffic. Ended: unheld, as
         `hold`'s release. A routed message is ignored unless this worker tracks `url` for
         `model` (`tracking`): an unknown backend's entry would have no capacity bound. Returns
         whether the blocks are now held for that request (only then may its end release
@@ -278,20 +275,6 @@ class PrefixTracker:
         if not self.tracking(model, url):
             return False
         cache.index.insert(url, keys, hold=True)
-        cache.reuse.touch(keys)
-        return True
-
-    def heard(self, model: str, url: str, keys: Sequence[int]) -> bool:
-        """A gateway on another host routed a prompt with these blocks to `url` (``peers``):
-        cached there, most recent, *unheld* (over lossy UDP nobody tells when that request
-        ends, so a hold could never be released for sure; a running request's blocks are
-        then charged as new KV by this gateway, never credited twice), and in the
-        fleet-reuse estimate. Ignored unless this gateway tracks `url` for `model`
-        (`tracking`). Returns whether the blocks were indexed."""
-        cache = self._models.get(model)
-        if cache is None or not keys or not self.tracking(model, url):
-            return False
-        cache.index.insert(url, keys, hold=False)
         cache.reuse.touch(keys)
         return True
 

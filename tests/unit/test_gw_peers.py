@@ -21,9 +21,13 @@ import pytest
 from sal_gateway.config import ConfigError, PeersConfig, build_config
 from sal_gateway.peer_wire import (
     BLOCK_KEYS_PER_DATAGRAM,
+    ENDED,
     MAX_ADAPTERS,
     MAX_DATAGRAM,
     MAX_ROWS,
+    ROUTED,
+    WATERMARK,
+    PeerBlocks,
     PeerRow,
     PeerWireError,
     decode,
@@ -413,33 +417,43 @@ async def test_a_gateway_restarted_on_the_same_address_replaces_its_old_counts_a
 # --- prompt blocks (peers.share_prefix_blocks) -------------------------------------------
 
 
+def _routed(seq: int, request: int, keys: list[int], *, oldest: int = 1, sender: int = 9,
+            key: int = 99) -> PeerBlocks:  # fmt: skip
+    return PeerBlocks(ROUTED, sender, sender, seq, request, oldest, key, tuple(keys))
+
+
 def test_a_blocks_datagram_round_trips_signed_keys_and_fits_one_frame() -> None:
     keys = [-(2**63), 2**63 - 1, *range(-5, BLOCK_KEYS_PER_DATAGRAM - 7)]
     assert len(keys) == BLOCK_KEYS_PER_DATAGRAM
-    data = encode_blocks(SECRET, 42, 7, 99, keys, group=5)
+    message = PeerBlocks(ROUTED, 42, 5, 7, 3, 2, 99, tuple(keys))
+    data = encode_blocks(SECRET, message)
     assert len(data) <= MAX_DATAGRAM
-    message = decode_blocks(SECRET, data)
-    assert (message.sender, message.group, message.seq, message.key) == (42, 5, 7, 99)
-    assert list(message.keys) == keys
-    for wrong in ([], [*keys, 1]):
+    assert decode_blocks(SECRET, data) == message
+    ended = PeerBlocks(ENDED, 42, 5, 8, 3, 4)
+    assert decode_blocks(SECRET, encode_blocks(SECRET, ended)) == ended
+    for wrong in ((), (*keys, 1)):
         with pytest.raises(ValueError, match="block keys"):
-            encode_blocks(SECRET, 42, 8, 99, wrong)
+            encode_blocks(SECRET, PeerBlocks(ROUTED, 42, 5, 9, 3, 2, 99, wrong))
+    with pytest.raises(ValueError, match="block keys"):
+        encode_blocks(SECRET, PeerBlocks(ENDED, 42, 5, 9, 3, 2, 99, (1,)))
 
 
 def test_a_release_without_blocks_drops_them_as_malformed_not_as_counts() -> None:
     """During a rolling upgrade an older gateway reads a blocks datagram with `decode`: it
     is refused (counted), never read as counts."""
-    data = encode_blocks(SECRET, 42, 7, 99, [1, 2, 3])
+    data = encode_blocks(SECRET, _routed(7, 1, [1, 2, 3]))
     with pytest.raises(PeerWireError) as caught:
         decode(SECRET, data)
     assert caught.value.reason == "malformed"
 
 
 @pytest.mark.parametrize(
-    ("count", "keys"), [(0, 0), (3, 2), (2, 3)], ids=["none", "missing", "left over"]
+    ("kind", "count", "keys"),
+    [(1, 0, 0), (1, 3, 2), (1, 2, 3), (2, 1, 1), (7, 0, 0)],
+    ids=["routed, none", "missing", "left over", "keys in an end", "unknown kind"],
 )
-def test_blocks_that_do_not_add_up_are_refused(count: int, keys: int) -> None:
-    body = struct.pack("<4sB3xQQQQH", b"SALB", 1, 42, 42, 7, 99, count)
+def test_blocks_that_do_not_add_up_are_refused(kind: int, count: int, keys: int) -> None:
+    body = struct.pack("<4sBB2xQQQQQQH", b"SALB", 1, kind, 42, 42, 7, 3, 1, 99, count)
     body += struct.pack("<q", 5) * keys
     tag = hmac.new(SECRET, body, hashlib.sha256).digest()[:16]
     with pytest.raises(PeerWireError) as caught:
@@ -447,70 +461,89 @@ def test_blocks_that_do_not_add_up_are_refused(count: int, keys: int) -> None:
     assert caught.value.reason == "malformed"
 
 
-@pytest.mark.parametrize("position", [0, 4, 12, 44, -1])
+@pytest.mark.parametrize("position", [0, 4, 5, 12, 60, -1])
 def test_a_changed_blocks_byte_or_another_secret_is_refused(position: int) -> None:
-    data = bytearray(encode_blocks(SECRET, 42, 7, 99, [1, 2, 3]))
+    data = bytearray(encode_blocks(SECRET, _routed(7, 1, [1, 2, 3])))
     data[position] ^= 0x01
     with pytest.raises(PeerWireError) as caught:
         decode_blocks(SECRET, bytes(data))
     assert caught.value.reason == "bad_tag"
     with pytest.raises(PeerWireError) as caught:
-        decode_blocks(SECRET, encode_blocks(b"not the shared secret at all", 42, 7, 99, [1]))
+        decode_blocks(SECRET, encode_blocks(b"not the shared secret at all", _routed(7, 1, [1])))
     assert caught.value.reason == "bad_tag"
 
 
-class _Heard:
-    """What `PeerNetwork.on_blocks` was called with; indexes only backend r1's blocks."""
+class _Index:
+    """A stand-in for the tracker's `told` (`PeerNetwork.on_blocks`): what is held now, per
+    backend URL, and every call; it tracks backend r1 (and r3) only."""
+
+    TRACKED = ("http://r1:8000", "http://r3:8000")
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, tuple[int, ...]]] = []
+        self.calls: list[tuple[str, tuple[int, ...], bool]] = []
+        self.held: Counter[tuple[str, tuple[int, ...]]] = Counter()
 
-    def __call__(self, model: str, url: str, keys: object) -> bool:
-        self.calls.append((model, url, tuple(keys)))  # type: ignore[arg-type]
-        return url == "http://r1:8000"
+    def __call__(self, model: str, url: str, keys: object, held: bool) -> bool:
+        run = tuple(keys)  # type: ignore[call-overload]
+        self.calls.append((url, run, held))
+        if not held:
+            self.held[(url, run)] -= 1
+            return False
+        if url not in self.TRACKED:
+            return False
+        self.held[(url, run)] += 1
+        return True
+
+    def holding(self) -> dict[tuple[str, tuple[int, ...]], int]:
+        return {k: n for k, n in self.held.items() if n}
 
     @classmethod
-    def on(cls, network: PeerNetwork, *urls: str) -> _Heard:
+    def on(cls, network: PeerNetwork, *urls: str) -> _Index:
         """Listen to `network`'s blocks, for backends r1 and `urls` of model m."""
-        heard = network.on_blocks = cls()
+        index = network.on_blocks = cls()
         for url in ("http://r1:8000", *urls):
             network.slot("m", url)
-        return heard
+        return index
 
 
-async def test_routed_blocks_reach_the_other_gateway_in_runs_of_one_datagram() -> None:
-    """A prompt of 400 blocks goes out as 172 + 172 + 56 consecutive keys to every listed
-    address; the other gateway hands each run, for the backend it names, to its index."""
+R1 = "http://r1:8000"
+
+
+async def test_routed_blocks_are_held_at_the_other_gateway_until_the_request_ends() -> None:
+    """A prompt of 400 blocks goes out as 170 + 170 + 60 consecutive keys to every listed
+    address; the other gateway holds each run for the backend it names, and releases all
+    three when told the request ended."""
     clock = [0.0]
     pair = _Pair(clock)
     async with pair as (a, b):
-        heard = _Heard.on(b)
+        index = _Index.on(b)
         sent: list[tuple[int, int]] = []
         a._on_sent = lambda n, errors: sent.append((n, errors))
         keys = list(range(1000, 1400))
-        a.tell_blocks("m", "http://r1:8000", keys)
+        ended = a.tell_blocks("m", R1, keys)
         assert sent == [(3 * 2, 0)]  # 3 datagrams, to b and to a itself
-        await _until(lambda: len(heard.calls) == 3, 1.0)
-        assert [c[2] for c in heard.calls] == [
-            tuple(keys[:172]),
-            tuple(keys[172:344]),
-            tuple(keys[344:]),
-        ]
-        assert {c[:2] for c in heard.calls} == {("m", "http://r1:8000")}
+        runs = [tuple(keys[:170]), tuple(keys[170:340]), tuple(keys[340:])]
+        await _until(lambda: len(index.holding()) == 3, 1.0)
+        assert index.holding() == {(R1, run): 1 for run in runs}
         assert pair.results[1]["blocks"] == 3
         await _until(lambda: pair.results[0]["own"] >= 3, 1.0)  # its own came back, dropped
         assert a.heard() == 0  # its own blocks do not make a peer
         assert b.heard() == 1  # blocks prove a peer alive
+        ended()
+        ended()  # twice: nothing more goes out
+        await _until(lambda: not index.holding(), 1.0)
+        assert sent[1:] == [(2, 0)]
+        assert [c for c in index.calls if not c[2]] == [(R1, run, False) for run in runs]
 
 
 async def test_a_long_prompt_sends_at_most_max_block_datagrams() -> None:
     clock = [0.0]
     pair = _Pair(clock)
     async with pair as (a, b):
-        heard = _Heard.on(b)
-        a.tell_blocks("m", "http://r1:8000", list(range(100_000)))
-        await _until(lambda: len(heard.calls) == MAX_BLOCK_DATAGRAMS, 1.0)
-        told = [k for call in heard.calls for k in call[2]]
+        index = _Index.on(b)
+        a.tell_blocks("m", R1, list(range(100_000)))
+        await _until(lambda: len(index.holding()) == MAX_BLOCK_DATAGRAMS, 1.0)
+        told = sorted(k for (_, run) in index.holding() for k in run)
         assert told == list(range(MAX_BLOCK_DATAGRAMS * BLOCK_KEYS_PER_DATAGRAM))  # the first
 
 
@@ -520,35 +553,90 @@ async def test_blocks_for_an_unknown_or_untracked_backend_or_without_a_listener_
     clock = [0.0]
     pair = _Pair(clock)
     async with pair as (a, b):
-        a.tell_blocks("m", "http://r1:8000", [1, 2])  # b has no listener yet
+        a.tell_blocks("m", R1, [1, 2])  # b has no listener yet
         await _until(lambda: pair.results[1]["blocks_ignored"] == 1, 1.0)
-        heard = _Heard.on(b, "http://r2:8000")
+        index = _Index.on(b, "http://r2:8000")
         a.tell_blocks("m", "http://elsewhere:8000", [3])  # not a backend of b's
         a.tell_blocks("m", "http://r2:8000", [4])  # b's, but its index does not track it
-        a.tell_blocks("m", "http://r1:8000", [5])
+        a.tell_blocks("m", R1, [5])
         await _until(lambda: pair.results[1]["blocks"] == 1, 1.0)
         assert pair.results[1]["blocks_ignored"] == 3
-        assert [c[2] for c in heard.calls] == [(4,), (5,)]  # never the unknown backend
+        assert index.holding() == {(R1, (5,)): 1}
+        assert [c[0] for c in index.calls] == ["http://r2:8000", R1]  # never the unknown one
 
 
-async def test_blocks_from_a_stranger_a_replay_or_the_same_host_do_not_count() -> None:
+async def test_a_missed_end_is_made_good_by_the_watermark() -> None:
+    """The end of request 1 is lost; request 2's datagram says every request below 2 ended,
+    so the other gateway releases request 1's blocks then; a heartbeat's watermark does
+    the same for the last request. Reordered or replayed runs of an ended request are not
+    held again."""
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (_, b):
+        index = _Index.on(b, "http://r3:8000")
+        key1, key3 = backend_key("m", R1), backend_key("m", "http://r3:8000")
+        to_b = ("127.0.0.1", b._sock.getsockname()[1])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as out:
+
+            def send(message: PeerBlocks) -> None:
+                out.sendto(encode_blocks(SECRET, message), to_b)
+
+            async def wait(datagrams: int) -> None:
+                await _until(lambda: sum(pair.results[1].values()) >= datagrams, 1.0)
+
+            send(_routed(1, 1, [11], key=key1))
+            await wait(1)
+            assert index.holding() == {(R1, (11,)): 1}
+            send(_routed(2, 2, [22], oldest=2, key=key3))  # request 1 ended, its end was lost
+            await wait(2)
+            assert index.holding() == {("http://r3:8000", (22,)): 1}
+            send(_routed(3, 1, [11], key=key1))  # request 1's run again: reordered or replayed
+            send(_routed(4, 2, [22], oldest=2, key=key3))  # a run held already
+            await wait(4)
+            assert index.holding() == {("http://r3:8000", (22,)): 1}
+            assert pair.results[1]["old"] == 2
+            send(PeerBlocks(WATERMARK, 9, 9, 5, 0, 3))  # nothing in flight below 3 now
+            await wait(5)
+            assert index.holding() == {}
+
+
+async def test_a_silent_or_restarted_gateways_holds_are_released() -> None:
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (_, b):
+        index = _Index.on(b)
+        key1 = backend_key("m", R1)
+        to_b = ("127.0.0.1", b._sock.getsockname()[1])
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as first,
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as second,
+        ):
+            first.sendto(encode_blocks(SECRET, _routed(1, 1, [11], sender=7, key=key1)), to_b)
+            second.sendto(encode_blocks(SECRET, _routed(1, 1, [22], sender=8, key=key1)), to_b)
+            await _until(lambda: len(index.holding()) == 2, 1.0)
+            # Sender 7 restarts as sender 17 on the same socket address: what it held goes.
+            first.sendto(encode_blocks(SECRET, PeerBlocks(WATERMARK, 17, 17, 1, 0, 1)), to_b)
+            await _until(lambda: index.holding() == {(R1, (22,)): 1}, 1.0)
+            # Sender 8 goes silent: past expire_s (0.5 s here) the heartbeat forgets it.
+            clock[0] += 0.6
+            await _until(lambda: not index.holding(), 1.0)
+
+
+async def test_blocks_from_a_stranger_or_the_same_host_do_not_count() -> None:
     clock = [0.0]
     pair = _Pair(clock)
     async with pair as (a, b):
-        heard = _Heard.on(b)
-        key = backend_key("m", "http://r1:8000")
+        index = _Index.on(b)
+        key = backend_key("m", R1)
         port = b._sock.getsockname()[1]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as out:
-            stranger = encode_blocks(b"not the shared secret at all", 9, 1, key, [66])
-            newer = encode_blocks(SECRET, 9, 5, key, [55])
-            older = encode_blocks(SECRET, 9, 4, key, [44])
-            for data in (stranger, newer, older, newer):
-                out.sendto(data, ("127.0.0.1", port))
-            await _until(lambda: sum(pair.results[1].values()) >= 4, 1.0)
-        assert [c[2] for c in heard.calls] == [(55,)]
-        results = pair.results[1]
-        assert (results["bad_tag"], results["blocks"], results["old"]) == (1, 1, 2)
+            stranger = encode_blocks(b"not the shared secret at all", _routed(1, 1, [66], key=key))
+            out.sendto(stranger, ("127.0.0.1", port))
+            out.sendto(encode_blocks(SECRET, _routed(2, 1, [55], key=key)), ("127.0.0.1", port))
+            await _until(lambda: sum(pair.results[1].values()) >= 2, 1.0)
+        assert index.holding() == {(R1, (55,)): 1}
+        assert (pair.results[1]["bad_tag"], pair.results[1]["blocks"]) == (1, 1)
         b.group = a.group  # the workers of one host share their index through memory
-        a.tell_blocks("m", "http://r1:8000", [77])
-        await _until(lambda: results["own"] >= 1, 1.0)
-        assert [c[2] for c in heard.calls] == [(55,)]
+        a.tell_blocks("m", R1, [77])
+        await _until(lambda: pair.results[1]["own"] >= 1, 1.0)
+        assert index.holding() == {(R1, (55,)): 1}

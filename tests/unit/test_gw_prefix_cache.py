@@ -223,29 +223,25 @@ def test_with_kv_events_the_fleet_reuse_estimate_sees_other_gateways_traffic() -
         assert tracker.fleet_reuse("m", elsewhere) == expected
 
 
-def test_blocks_heard_from_another_host_are_cached_unheld_and_only_where_tracked() -> None:
-    """``peers.share_prefix_blocks``: another host's gateway routed turn 1 to B. This
-    gateway predicts B holds it, credits none of it as held (nobody will say when that
-    request ends), and ignores blocks for a replica it does not track."""
+def test_every_routed_hold_is_told_to_each_listener_and_so_is_its_end() -> None:
+    """The workers' exchange and ``peers`` both listen: each hears the routed blocks once
+    and, when the request ends, its own end."""
     tracker = _tracker()
-    assert tracker.heard("m", B, chain_hashes(CONV, BS)) is True
-    assert tracker.heard("m", "http://unknown:1", chain_hashes(CONV, BS)) is False
-    assert tracker.heard("other-model", A, chain_hashes(CONV, BS)) is False
-    views = _views()
-    tracker.annotate("m", views, _blocks([*CONV, *range(7, 40)]))
-    a, b = views
-    assert (a.cached_tokens, b.cached_tokens, b.cached_held_tokens) == (0, 10 * BS, 0)
-    views[1].queued_prefill_tokens = 100  # B busier, but it holds the prefix
-    request = RouteRequest(len(CONV) + 33, beta=2.0)
-    assert SAL(settings=PolicySettings(min_match_tokens=0)).select(request, views).url == B
+    events: list[tuple[str, str, str]] = []
 
+    def listener(name: str) -> object:
+        def told(model: str, url: str, keys: object) -> object:
+            assert tuple(keys) == tuple(chain_hashes(CONV, BS))  # type: ignore[call-overload]
+            events.append((name, url, "routed"))
+            return lambda: events.append((name, url, "ended"))
 
-def test_every_routed_hold_is_told_to_on_route_once() -> None:
-    tracker = _tracker()
-    told: list[tuple[str, str, tuple[int, ...]]] = []
-    tracker.on_route = lambda m, u, keys: told.append((m, u, tuple(keys)))
+        return told
+
+    tracker.hold_listeners += [listener("workers"), listener("peers")]  # type: ignore[list-item]
     release = tracker.hold("m", A, _blocks(CONV))
     assert release is not None
+    assert events == [("workers", A, "routed"), ("peers", A, "routed")]
     release()
+    assert events[2:] == [("workers", A, "ended"), ("peers", A, "ended")]
     assert tracker.hold("m", "http://unknown:1", _blocks(CONV)) is None  # not indexed
-    assert told == [("m", A, tuple(chain_hashes(CONV, BS)))]
+    assert len(events) == 4

@@ -128,7 +128,7 @@ async def _exchange(tmp_path: Path) -> tuple[Seen, Seen, Counter[str], Counter[s
     await w0.start()
     await asyncio.sleep(0.3)
     await w1.start()
-    t0.on_hold = w0.tell
+    t0.hold_listeners.append(w0.tell)
     try:
         await _wait(lambda: w0.connected == 1)
         release = t0.hold("m", B, PromptBlocks(tuple(chain_hashes(CONV, BS)), len(CONV)))
