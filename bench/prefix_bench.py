@@ -642,14 +642,27 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     json_path = out / "prefix.json"
     results: dict[str, list[Row]] = {}
+    section_s: dict[str, float] = {}
     if args.only and json_path.is_file():  # a partial rerun replaces only its sections
         previous = json.loads(json_path.read_text())
         results = previous["results"]
-        started -= float(previous.get("wall_s", 0.0))  # report the whole grid's time
+        section_s = previous.get("section_s", {})
+        # Report the whole grid's time: the earlier total less the sections rerun now (when
+        # their time is on record), plus this run's.
+        started -= float(previous.get("wall_s", 0.0)) - sum(
+            section_s.pop(name, 0.0) for name in only
+        )
+
+    def ran(name: str, since: float) -> None:
+        section_s[name] = time.time() - since
+        document = _document(results, ctx, started, section_s)
+        json_path.write_text(json.dumps(document, indent=1))
+
     for sc in SCENARIOS:
         if sc.name in only:
+            since = time.time()
             results[sc.name] = run_grid(ctx, sc, log)
-            json_path.write_text(json.dumps(_document(results, ctx, started), indent=1))
+            ran(sc.name, since)
     for name, fn in (
         ("hot-prefix", run_hot_prefix),
         ("accuracy", run_accuracy),
@@ -663,18 +676,22 @@ def run(args: argparse.Namespace) -> int:
         ("bound", run_bound),
     ):
         if name in only:
+            since = time.time()
             results[name] = fn(ctx, log)
-            json_path.write_text(json.dumps(_document(results, ctx, started), indent=1))
-    write_report(_document(results, ctx, started), out / "prefix.md")
+            ran(name, since)
+    write_report(_document(results, ctx, started, section_s), out / "prefix.md")
     log(f"wrote {json_path} and {out / 'prefix.md'}")
     return 0
 
 
-def _document(results: dict[str, list[Row]], ctx: Context, started: float) -> dict[str, Any]:
+def _document(
+    results: dict[str, list[Row]], ctx: Context, started: float, section_s: dict[str, float]
+) -> dict[str, Any]:
     return {
         "command": "nice -n 19 sal-bench prefix --out docs/results"
         + (" --quick" if ctx.quick else ""),
         "wall_s": time.time() - started,
+        "section_s": section_s,
         "scenarios": [
             {
                 "name": sc.name, "workload": sc.workload, "profile": sc.profile,
