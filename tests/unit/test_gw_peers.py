@@ -640,3 +640,23 @@ async def test_blocks_from_a_stranger_or_the_same_host_do_not_count() -> None:
         a.tell_blocks("m", R1, [77])
         await _until(lambda: pair.results[1]["own"] >= 1, 1.0)
         assert index.holding() == {(R1, (55,)): 1}
+
+
+async def test_a_peer_that_never_ends_its_requests_pins_a_bounded_number_of_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer with the secret that routes and never says a request ended (a bug, or a lie)
+    cannot make this gateway hold more than `MAX_HELD_RUNS` runs for it."""
+    monkeypatch.setattr("sal_gateway.peers.MAX_HELD_RUNS", 3)
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (_, b):
+        index = _Index.on(b)
+        key = backend_key("m", R1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as out:
+            for request in range(1, 6):
+                datagram = encode_blocks(SECRET, _routed(request, request, [request], key=key))
+                out.sendto(datagram, ("127.0.0.1", b._sock.getsockname()[1]))
+            await _until(lambda: sum(pair.results[1].values()) >= 5, 1.0)
+        assert len(index.holding()) == 3
+        assert (pair.results[1]["blocks"], pair.results[1]["blocks_ignored"]) == (3, 2)
