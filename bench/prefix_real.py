@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import re
+import socket
 import statistics
 import sys
 import tempfile
@@ -44,7 +47,17 @@ from engine_sim.demo import fleet_reuse_rates
 from sal_core.percentile import percentile
 
 HELP = "prefix-cache-aware SAL vs sal_paper vs p2c on real vLLM-on-CPU replicas (hit rate, TTFT)"
-CONFIGS = ("sal+approximate", "sal+kv_events", "sal_paper", "p2c")
+CONFIGS = (
+    "sal+approximate",
+    "sal+kv_events",
+    "sal_paper",
+    "p2c",
+    "sal+approximate@2told",
+    "sal+approximate@2alone",
+)
+"""``@2told`` / ``@2alone``: two gateways (``peers`` over loopback UDP, counts shared)
+that each get every turn at random, with or without ``peers.share_prefix_blocks``."""
+PEERS_SECRET = "prefix-real: a secret for the two gateways"
 BLOCK_SIZE = 128
 """vLLM's KV block on CPU."""
 _COUNTERS = {
@@ -123,12 +136,30 @@ def _reset_caches(urls: Sequence[str]) -> None:
             time.sleep(0.5)
 
 
-def _gateway_config(urls: Sequence[str], endpoints: Sequence[str], config: str, seed: int) -> Any:
+def _gateway_config(
+    urls: Sequence[str],
+    endpoints: Sequence[str],
+    config: str,
+    seed: int,
+    peers: tuple[int, int] | None = None,
+) -> Any:
+    """`config` (a `CONFIGS` name) as a gateway configuration; `peers`: this gateway's UDP
+    port and the other gateway's (the ``@2`` configurations)."""
     from sal_gateway.config import build_config
 
-    policy, _, mode = config.partition("+")
+    routing, _, gateways = config.partition("@")
+    policy, _, mode = routing.partition("+")
+    extra: dict[str, Any] = {}
+    if peers is not None:
+        extra["peers"] = {
+            "listen": f"127.0.0.1:{peers[0]}",
+            "addresses": [f"127.0.0.1:{peers[1]}"],
+            "expire_s": 5.0,  # the two gateways share 2 busy cores with the replicas
+            "share_prefix_blocks": gateways == "2told",
+        }
     return build_config(
         {
+            **extra,
             "models": [
                 {
                     "name": "tiny",
@@ -187,18 +218,31 @@ def _run_once(
     _reset_caches(urls)
     before = [_scrape(u) for u in urls]
     predicted: dict[tuple[int, ...], int] = {}
-    app = create_app(_gateway_config(urls, endpoints, config, seed))
+    if "@2" in config:
+        os.environ.setdefault("SAL_GATEWAY_PEERS_SECRET", PEERS_SECRET)
+        udp = _free_udp_ports(2)
+        apps = [
+            create_app(_gateway_config(urls, endpoints, config, seed, (udp[i], udp[1 - i])))
+            for i in range(2)
+        ]
+    else:
+        apps = [create_app(_gateway_config(urls, endpoints, config, seed))]
     cpu0 = time.process_time()
-    with ServedApp(app, lifespan=True) as gateway:
+    with contextlib.ExitStack() as stack:
+        gateways = [stack.enter_context(ServedApp(app, lifespan=True)) for app in apps]
         deadline = time.monotonic() + 60
-        while httpx.get(f"{gateway}/ready", timeout=5.0).status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway never became ready")
-            time.sleep(0.2)
-        _capture_predictions(app.state.runtime, predicted)
+        for gateway in gateways:
+            while httpx.get(f"{gateway}/ready", timeout=5.0).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the gateway never became ready")
+                time.sleep(0.2)
+        for app in apps:
+            _capture_predictions(app.state.runtime, predicted)
         time.sleep(1.0)  # every replica polled: the tracker knows the block size
-        outcome: Replay = asyncio.run(replay(gateway, conversations, timeout_s=180.0))
-        gw_metrics = httpx.get(f"{gateway}/metrics", timeout=10.0).text
+        outcome: Replay = asyncio.run(replay(gateways, conversations, timeout_s=180.0, seed=seed))
+        gw_metrics = "\n".join(
+            httpx.get(f"{gateway}/metrics", timeout=10.0).text for gateway in gateways
+        )
     cpu_s = time.process_time() - cpu0
     after = [_scrape(u) for u in urls]
     return _summarize(
@@ -237,17 +281,31 @@ def _summarize(
         exact += guess == (r.cached_tokens or 0)
     result.abs_error_tokens = statistics.fmean(errors) if errors else 0.0
     result.exact_share = exact / len(ok) if ok else 0.0
-    routed = [
-        float(v)
-        for v in re.findall(
-            r"^sal_routing_decisions_total\{[^}]*\} ([0-9.eE+-]+)$", gw_metrics, re.M
-        )
-    ]
-    result.busiest_share = max(routed) / sum(routed) if routed and sum(routed) else 0.0
+    routed: dict[str, float] = {}  # per backend, every gateway's decisions summed
+    for labels, value in re.findall(
+        r"^sal_routing_decisions_total\{([^}]*)\} ([0-9.eE+-]+)$", gw_metrics, re.M
+    ):
+        backend = re.search(r'backend="([^"]*)"', labels)
+        key = backend.group(1) if backend else labels
+        routed[key] = routed.get(key, 0.0) + float(value)
+    total = sum(routed.values())
+    result.busiest_share = max(routed.values()) / total if total else 0.0
     result.fleet_reuse = fleet_reuse_rates(gw_metrics)
     result.cpu_ms_per_request = 1000 * cpu_s / max(1, len(outcome.results))
     result.wall_s = outcome.wall_s
     return result
+
+
+def _free_udp_ports(count: int) -> list[int]:
+    """`count` UDP ports on 127.0.0.1 free a moment ago (the OS's choice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 # --- the replicas -------------------------------------------------------------------------

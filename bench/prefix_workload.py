@@ -146,8 +146,11 @@ async def _send(
     return output
 
 
-async def _converse(client: Any, url: str, conv: Conversation, t0: float, out: Replay) -> None:
+async def _converse(
+    client: Any, urls: Sequence[str], conv: Conversation, t0: float, out: Replay, seed: int
+) -> None:
     await asyncio.sleep(max(0.0, t0 + conv.start_s - time.monotonic()))
+    rng = random.Random(f"gateway-{seed}-{conv.cid}")
     history: list[int] = []
     for k, turn in enumerate(conv.turns):
         if turn.think_s:
@@ -155,6 +158,7 @@ async def _converse(client: Any, url: str, conv: Conversation, t0: float, out: R
         prompt = [*history, *turn.message]
         r = TurnResult(conv.cid, k, len(prompt), tuple(prompt))
         out.results.append(r)
+        url = rng.choice(urls)  # each turn to any gateway, as pooled connections spread
         try:
             reply = await _send(client, url, prompt, turn.output_tokens, r)
         except Exception as exc:  # a transport failure ends the conversation, counted
@@ -165,15 +169,23 @@ async def _converse(client: Any, url: str, conv: Conversation, t0: float, out: R
         history = [*prompt, *reply]
 
 
-async def replay(url: str, conversations: Sequence[Conversation], timeout_s: float) -> Replay:
+async def replay(
+    url: str | Sequence[str],
+    conversations: Sequence[Conversation],
+    timeout_s: float,
+    *,
+    seed: int = 0,
+) -> Replay:
     """Run every conversation against the gateway at `url`; each request bounded by
-    `timeout_s`."""
+    `timeout_s`. Several URLs (gateways in front of the same replicas): each turn goes to
+    one drawn at random (seeded by `seed` and the conversation)."""
     import httpx
 
+    urls = [url] if isinstance(url, str) else list(url)
     out = Replay()
     limits = httpx.Limits(max_connections=len(conversations) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.monotonic()
-        await asyncio.gather(*(_converse(client, url, c, t0, out) for c in conversations))
+        await asyncio.gather(*(_converse(client, urls, c, t0, out, seed) for c in conversations))
         out.wall_s = time.monotonic() - t0
     return out

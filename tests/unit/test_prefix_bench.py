@@ -89,3 +89,36 @@ def test_the_real_path_report_shows_the_gateways_fleet_reuse_estimate() -> None:
     ]
     text = report(runs, build_parser().parse_args(["--seeds", "0,1"]))
     assert "0.40 (0.40–0.40) / 0.50 (0.50–0.50) / 0.70 (0.70–0.70)" in text
+
+
+def test_two_gateway_configs_tell_each_other_blocks_only_when_told() -> None:
+    from bench.prefix_real import _gateway_config
+
+    told = _gateway_config(["http://a", "http://b"], ["ipc://x", "ipc://y"],
+                           "sal+approximate@2told", 0, (7001, 7002))  # fmt: skip
+    alone = _gateway_config(["http://a", "http://b"], ["ipc://x", "ipc://y"],
+                            "sal+approximate@2alone", 0, (7002, 7001))  # fmt: skip
+    assert (told.routing.policy, told.routing.prefix_cache) == ("sal", "approximate")
+    assert told.peers.listen == "127.0.0.1:7001"
+    assert told.peers.addresses == ("127.0.0.1:7002",)
+    assert told.peers.share_prefix_blocks
+    assert alone.peers.enabled  # the counts are shared either way
+    assert not alone.peers.share_prefix_blocks
+    one = _gateway_config(["http://a"], ["ipc://x"], "sal+kv_events", 0)
+    assert (one.routing.prefix_cache, one.peers.enabled) == ("kv_events", False)
+
+
+def test_the_busiest_replica_share_sums_both_gateways_decisions() -> None:
+    from bench.prefix_real import _summarize
+    from bench.prefix_workload import Replay
+
+    metrics = "\n".join(
+        f'sal_routing_decisions_total{{backend="{b}",model="tiny",policy="sal"}} {n}'
+        for b, n in (("http://a", 3), ("http://b", 2), ("http://a", 1), ("http://b", 4))
+    )  # gateway 1 then gateway 2: a 4, b 6
+    counters = {"hits": 0.0, "queries": 0.0, "preemptions": 0.0}
+    result = _summarize(
+        "sal+approximate@2told", 0, Replay(), [counters], [counters], {}, metrics, 0.0,
+        lambda *_: [],
+    )  # fmt: skip
+    assert result.busiest_share == 0.6
