@@ -220,7 +220,7 @@ def _run_once(
     predicted: dict[tuple[int, ...], int] = {}
     if "@2" in config:
         os.environ.setdefault("SAL_GATEWAY_PEERS_SECRET", PEERS_SECRET)
-        udp = _free_udp_ports(2)
+        udp = free_udp_ports(2)
         apps = [
             create_app(_gateway_config(urls, endpoints, config, seed, (udp[i], udp[1 - i])))
             for i in range(2)
@@ -296,7 +296,7 @@ def _summarize(
     return result
 
 
-def _free_udp_ports(count: int) -> list[int]:
+def free_udp_ports(count: int) -> list[int]:
     """`count` UDP ports on 127.0.0.1 free a moment ago (the OS's choice)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
     try:

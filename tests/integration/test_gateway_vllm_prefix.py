@@ -19,7 +19,6 @@ import contextlib
 import json
 import random
 import re
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.prefix_real import free_udp_ports
 from engine_sim.fake_vllm import ServedApp
 from sal_core.prefix import chain_hashes
 from sal_gateway.app import Runtime, create_app
@@ -475,18 +475,6 @@ def _cached_tokens(response: dict[str, Any]) -> int:
     return int((response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def _free_udp_ports(count: int) -> list[int]:
-    """`count` UDP ports on 127.0.0.1 free a moment ago (the OS's choice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 @pytest.mark.parametrize("share", [True, False], ids=["blocks", "counts only"])
 def test_a_turn_through_another_gateway_finds_its_prefix_when_peers_tell_blocks(
     replicas: tuple[list[str], list[str]], share: bool
@@ -500,7 +488,7 @@ def test_a_turn_through_another_gateway_finds_its_prefix_when_peers_tell_blocks(
     urls, _ = replicas
     first = free_port(19800, 19850)
     ports = [first, free_port(first + 1, 19850)]
-    udp = _free_udp_ports(2)
+    udp = free_udp_ports(2)
     configs = []
     for i in range(2):
         config = gateway_config(
