@@ -167,14 +167,29 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
 
     body = {"model": "lora-c", "prompt": "x y z", "max_tokens": 2}
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-    deadline = time.monotonic() + 40  # the periodic read (models_refresh_s 15 s) finds both
-    while listed_on() < 2:
-        assert time.monotonic() < deadline, "the gateway never saw lora-c on both replicas"
-        time.sleep(0.5)
-    unloaded = httpx.post(
-        f"{replicas[1]}/v1/unload_lora_adapter", json={"lora_name": "lora-c"}, timeout=60
-    )
-    assert unloaded.status_code == 200, unloaded.text
+
+    on_replica_2 = [True]
+
+    def unload_unseen() -> None:
+        """Replica 2 has unloaded lora-c and the gateway still lists it on both replicas: it
+        learns of the unload only at its next periodic read (models_refresh_s, 15 s), which
+        a slow try can outlast; then load it again, wait for the gateway to list both, and
+        unload it again."""
+        if not on_replica_2[0] and listed_on() == 2:
+            return  # unloaded, not read yet
+        if not on_replica_2[0]:
+            loaded = httpx.post(f"{replicas[1]}/v1/load_lora_adapter", json=load, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+            on_replica_2[0] = True
+        deadline = time.monotonic() + 40
+        while listed_on() < 2:
+            assert time.monotonic() < deadline, "the gateway never saw lora-c on both replicas"
+            time.sleep(0.5)
+        unloaded = httpx.post(
+            f"{replicas[1]}/v1/unload_lora_adapter", json={"lora_name": "lora-c"}, timeout=60
+        )
+        assert unloaded.status_code == 200, unloaded.text
+        on_replica_2[0] = False
 
     # Replica 2 answers vLLM's 404 now. So that the gateway sends lora-c there (rather than
     # where lora-c last ran), replica 1's only LoRA slot is held by lora-a, which only
@@ -184,9 +199,10 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
         samples = scrape_metrics(url)
         return metric(samples, "sal_retries_total", model=MODEL, backend=replicas[1])
 
-    retried = retried_from_replica_2()
     answer = None
+    retried = 0.0
     for _ in range(PREMISE_TRIES):
+        unload_unseen()
         with ThreadPoolExecutor(1) as pool:
             a = pool.submit(_completed_at, url, "lora-a", MAX_MODEL_LEN - 64, 8)
             deadline = time.monotonic() + 30
@@ -197,7 +213,11 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
                 if a.done():  # the premise never held (see PREMISE_TRIES): try again
                     break
             else:
-                answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                # The premise also needs the gateway not to have read the unload yet (a slow
+                # try can outlast its periodic read): then it would skip replica 2 anyway.
+                if listed_on() == 2:
+                    retried = retried_from_replica_2()
+                    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             a.result(timeout=120)
         if answer is not None:
             break
