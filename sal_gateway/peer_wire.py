@@ -29,6 +29,10 @@ applied for that sender (reordered, or replayed by someone who captured it). `ke
 backend's `sal_gateway.shared_accounting.backend_key` (its model and URL), which every
 gateway computes alike from the same configuration.
 
+With ``peers.share_prefix_blocks`` there is a second kind of datagram, magic ``SALB``
+(`PeerBlocks`, `encode_blocks`): the block keys of a prompt the sender routed, the end of
+that request, or only the sender's watermark of requests that have ended.
+
 Anything that does not parse, carries a wrong tag or claims impossible numbers is rejected
 with `PeerWireError` (its `reason` names the case for the metrics); nothing a datagram
 holds is trusted before its tag checks out.
