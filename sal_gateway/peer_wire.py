@@ -144,16 +144,23 @@ def encode(
     return body + hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
 
 
-def decode(secret: bytes, datagram: bytes) -> PeerMessage:
-    """The message in `datagram`, or `PeerWireError`. The tag is checked (in constant time)
-    before anything but the sizes is looked at."""
+def _authentic_body(secret: bytes, datagram: bytes, header_bytes: int) -> bytes:
+    """`datagram` without its tag, once its size allows a header of `header_bytes` and its
+    tag checks out under `secret` (in constant time); else `PeerWireError`."""
     size = len(datagram)
-    if size < _HEADER.size + TAG_BYTES or size > MAX_DATAGRAM:
+    if size < header_bytes + TAG_BYTES or size > MAX_DATAGRAM:
         raise PeerWireError(f"datagram of {size} bytes", "malformed")
     body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
     expected = hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
     if not hmac.compare_digest(tag, expected):
         raise PeerWireError("tag does not match the shared secret", "bad_tag")
+    return body
+
+
+def decode(secret: bytes, datagram: bytes) -> PeerMessage:
+    """The message in `datagram`, or `PeerWireError`. The tag is checked (in constant time)
+    before anything but the sizes is looked at."""
+    body = _authentic_body(secret, datagram, _HEADER.size)
     magic, version, sender, group, seq, count = _HEADER.unpack_from(body)
     if magic != MAGIC or version not in VERSIONS:
         raise PeerWireError(f"magic {magic!r} version {version}", "malformed")
@@ -248,13 +255,7 @@ def encode_blocks(secret: bytes, message: PeerBlocks) -> bytes:
 def decode_blocks(secret: bytes, datagram: bytes) -> PeerBlocks:
     """The prompt-blocks message in `datagram`, or `PeerWireError` (tag checked first, as
     `decode` does)."""
-    size = len(datagram)
-    if size < _BLOCKS_HEADER.size + TAG_BYTES or size > MAX_DATAGRAM:
-        raise PeerWireError(f"blocks datagram of {size} bytes", "malformed")
-    body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
-    expected = hmac.new(secret, body, hashlib.sha256).digest()[:TAG_BYTES]
-    if not hmac.compare_digest(tag, expected):
-        raise PeerWireError("tag does not match the shared secret", "bad_tag")
+    body = _authentic_body(secret, datagram, _BLOCKS_HEADER.size)
     magic, version, kind, sender, group, seq, request, oldest, key, count = (
         _BLOCKS_HEADER.unpack_from(body)
     )
