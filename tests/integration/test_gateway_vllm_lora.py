@@ -397,8 +397,20 @@ def test_an_adapter_joins_the_replica_already_running_it(
     url, replicas, adapters = fleet
     _load_on_both(url, replicas, adapters, ("lora-f",))
 
-    def counters() -> tuple[float, list[float]]:
-        return _slot_counters(url, replicas, "affinity")
+    def seen_by_gateway(holder: str) -> tuple[float, list[float], bool]:
+        """The affinity decisions, the routing decisions per replica, and whether the
+        gateway counts the other replica eligible with its slot free (one scrape)."""
+        samples = scrape_metrics(url)
+        other = replicas[1 - replicas.index(holder)]
+        free = (
+            metric(samples, "sal_backend_healthy", model=MODEL, backend=other) == 1
+            and metric(samples, "sal_backend_lora_slots_used", model=MODEL, backend=other) == 0
+        )
+        kept = metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome="affinity")
+        routed = [
+            metric(samples, "sal_routing_decisions_total", model=MODEL, backend=r) for r in replicas
+        ]
+        return kept, routed, free
 
     seen: list[str] = []
     held = False
@@ -415,16 +427,24 @@ def test_an_adapter_joins_the_replica_already_running_it(
                 seen.append(f"no premise: {exc}")
                 f.result(timeout=120)
                 continue
-            kept_before, routed_before = counters()
+            kept_before, routed_before, free_before = seen_by_gateway(holder)
             held = _lora_running(holder) == ["lora-f"]
             _completed_at(url, "lora-f", 1)
-            kept_after, routed_after = counters()
+            kept_after, routed_after, free_after = seen_by_gateway(holder)
             f.result(timeout=120)
         went_to = [b - a for a, b in zip(routed_before, routed_after, strict=True)]
-        seen.append(f"holder {holder} held {held}: routed {went_to}")
-        if held:
+        # The premise also needs the gateway to see the other replica eligible with its slot
+        # free around the request: a starved box can leave its polls stale past
+        # stale_after_s (a CI run routed to the holder then, but with nothing to pass over).
+        other_free = free_before and free_after
+        seen.append(
+            f"holder {holder} held {held}, other free {other_free}: routed {went_to}, "
+            f"affinity {kept_before} -> {kept_after}"
+        )
+        if held and other_free:
             break
     assert held, f"lora-f's engine run always ended before the next request: {seen}"
+    assert other_free, f"the gateway never saw the other replica's slot free: {seen}"
     assert went_to[replicas.index(holder)] == 1, seen
     assert kept_after == kept_before + 1, seen
 
