@@ -145,17 +145,25 @@ class Runtime:
         """Poll a backend that joined `model`'s pool (and follow its KV events)."""
         self.poller.start(model.name, url)
         if self.kv_events is not None:
-            from sal_gateway.kv_subscriber import endpoint_for
+            from sal_gateway.kv_subscriber import endpoints_for
 
-            explicit = dict(model.kv_events_endpoints)
-            port = self.config.routing.kv_events_port
-            self.kv_events.add(model.name, url, endpoint_for(url, port, explicit))
+            routing = self.config.routing
+            endpoints = endpoints_for(
+                url,
+                routing.kv_events_port,
+                dict(model.kv_events_endpoints),
+                routing.kv_events_replay_port,
+                dict(model.kv_events_replay_endpoints),
+            )
+            self.kv_events.add(model.name, url, endpoints)
 
     def on_stats(self, model: str, url: str, stats: ReplicaStats) -> None:
         """Poll callback (main loop): what the prefix tracker learns from a good poll."""
         if self.prefix is None:
             return
         grown = self.prefix.observe(model, url, stats)
+        if self.kv_events is not None and self.prefix.tracking(model, url):
+            self.kv_events.tracked(model, url)  # its replay, once, now that blocks are keyed
         metrics = self.metrics
         # Every polled backend's series exist from its first poll (a rate of 0, not "no
         # data", until its engine looks up or hits anything).

@@ -165,6 +165,9 @@ def _model(path: str, data: Mapping[str, Any]) -> ModelConfig:
         kv_events_endpoints=_kv_endpoints(
             f"{path}.kv_events_endpoints", data.get("kv_events_endpoints") or {}
         ),
+        kv_events_replay_endpoints=_kv_endpoints(
+            f"{path}.kv_events_replay_endpoints", data.get("kv_events_replay_endpoints") or {}
+        ),
     )
 
 
@@ -246,6 +249,11 @@ def _routing(path: str, data: Mapping[str, Any]) -> RoutingConfig:
         session_header=_session_header(f"{path}.session_header", data.get("session_header")),
         kv_events_port=_port(
             f"{path}.kv_events_port", data.get("kv_events_port", d.kv_events_port)
+        ),
+        kv_events_replay_port=(
+            None
+            if data.get("kv_events_replay_port") is None
+            else _port(f"{path}.kv_events_replay_port", data["kv_events_replay_port"])
         ),
         kv_events_topic=_topic(f"{path}.kv_events_topic", data.get("kv_events_topic", "")),
         prefix_min_match_tokens=_as_int(

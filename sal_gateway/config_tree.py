@@ -135,6 +135,11 @@ class ModelConfig:
     KV-cache event publisher (its ``--kv-events-config`` ``endpoint``, as seen from the
     gateway), e.g. ``{"http://10.0.0.5:8000": "tcp://10.0.0.5:5557"}``. Backends not listed
     use ``tcp://<backend host>:<routing.kv_events_port>``."""
+    kv_events_replay_endpoints: tuple[tuple[str, str], ...] = ()
+    """``kv_events`` only: each backend URL's ZMQ endpoint of its publisher's replay socket
+    (its ``--kv-events-config`` ``replay_endpoint``, as seen from the gateway). Backends not
+    listed use ``tcp://<backend host>:<routing.kv_events_replay_port>`` when that is set,
+    else no replay."""
 
 
 RUNNERS = ("generate", "pooling")
@@ -194,6 +199,12 @@ class RoutingConfig:
     kv_events_port: int = 5557
     """``kv_events`` mode: the port of each backend's KV-event publisher, on the backend's
     host, unless ``models[].kv_events_endpoints`` names its endpoint."""
+    kv_events_replay_port: int | None = None
+    """``kv_events`` mode: the port of each backend's replay socket (vLLM's
+    ``replay_endpoint``), on the backend's host, unless
+    ``models[].kv_events_replay_endpoints`` names it; None: no replay. With it, a gateway
+    that starts after its replicas asks each for the events it still buffers, and one that
+    lost events (a sequence gap) asks for them again (`sal_gateway.kv_subscriber`)."""
     kv_events_topic: str = ""
     """``kv_events`` mode: the topic the publishers use (their ``--kv-events-config``
     ``topic``; "" receives every topic)."""

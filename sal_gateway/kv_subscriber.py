@@ -16,6 +16,22 @@ A sequence-number gap (lost messages) is counted as ``gap``; a sequence that goe
 (the publisher restarted) forgets the backend's hash map. Every drop is counted in
 ``sal_kv_events_dropped_total{reason}``; nothing a publisher sends can raise on either thread.
 
+Replay (``routing.kv_events_replay_port`` or ``models[].kv_events_replay_endpoints``: the
+``replay_endpoint`` of the replica's ``--kv-events-config``): vLLM's publisher keeps its last
+``buffer_steps`` messages (default 10,000) and sends them again to a DEALER that asks with a
+start sequence number (8 bytes big-endian), each as ``(b"", topic, seq, payload)``, then
+``(b"", b"", -1, b"")``. The subscriber asks twice: once the gateway tracks the backend
+(`tracked`: its block size is known, so the blocks can be keyed), from sequence 0, so that a
+gateway that starts or restarts after its replicas learns what they cached since (within
+their buffer); and on a gap, from the first message lost. While a replay runs, the live
+messages wait (at most `RCVHWM`) and are then applied after it, those the replay already
+carried skipped. A replay that sends no end within `REPLAY_TIMEOUT_S`, or more than
+`MAX_REPLAY_MESSAGES`, is abandoned (``replay_timeout``; no replay for a gap then for
+`REPLAY_COOLDOWN_S`), its socket closed, and the waiting messages applied (the loss counted
+as a ``gap``). A gap a replay could not fill (the buffer had moved on) is counted, never
+asked for again. Replayed messages are counted in ``sal_kv_events_total`` as
+``replayed_messages``.
+
 Needs the ``kv-events`` extra (``pyzmq``, ``msgspec``); imported only in that mode.
 """
 
@@ -26,6 +42,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -48,18 +65,49 @@ POLL_TIMEOUT_MS = 100
 """Longest the thread waits before it looks at membership changes again."""
 READ_BURST = 256
 """Messages read from one socket before the thread turns to the others."""
+REPLAY_TIMEOUT_S = 10.0
+"""Longest a replay may take to end (vLLM's publisher answers between engine steps, within
+0.1 s when idle)."""
+REPLAY_COOLDOWN_S = 30.0
+"""After a replay failed, gaps are only counted for this long."""
+MAX_REPLAY_MESSAGES = 20_000
+"""Messages one replay may carry (vLLM's ``buffer_steps`` defaults to 10,000)."""
+REPLAY_RCVHWM = MAX_REPLAY_MESSAGES
+"""The replay socket's receive high-water mark: a whole default buffer fits, so the
+publisher's ROUTER (which drops at its peer's mark) never has to drop a replayed message."""
 
 Key = tuple[str, str]
 """(model, backend URL)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    """Where one backend's KV events come from."""
+
+    events: str
+    """The publisher's PUB endpoint."""
+    replay: str | None = None
+    """Its replay (ROUTER) endpoint; None: no replay."""
+
+
 @dataclass(slots=True)
 class _Source:
     key: Key
-    endpoint: str
+    endpoints: Endpoints
     socket: zmq.Socket[bytes]
     keymap: BlockKeyMap = field(default_factory=BlockKeyMap)
     last_seq: int | None = None
+    replay: zmq.Socket[bytes] | None = None
+    """The DEALER of the replay running now (None: none runs)."""
+    replay_deadline_s: float = 0.0
+    replayed: int = 0
+    """Messages the running replay carried so far."""
+    waiting: deque[list[bytes]] = field(default_factory=deque)
+    """Live messages received while a replay runs, applied after it."""
+    caught_up: bool = False
+    """The catch-up replay (from sequence 0) was asked for."""
+    replay_after_s: float = 0.0
+    """No replay for a gap before this (monotonic; after one failed)."""
 
 
 class KvEventSubscribers:
@@ -69,31 +117,45 @@ class KvEventSubscribers:
         self._tracker = tracker
         self._metrics = metrics
         self._topic = topic.encode()
-        self._commands: queue.SimpleQueue[tuple[str, Key, str]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[str, Key, Endpoints | None]] = queue.SimpleQueue()
         self._ready: deque[tuple[Key, Ops]] = deque()
         self._drain_scheduled = threading.Event()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._endpoints: dict[Key, str] = {}
+        self._endpoints: dict[Key, Endpoints] = {}
         """Main loop's view of the subscriptions."""
+        self._tracked: set[Key] = set()
+        """Subscriptions whose catch-up replay was asked for (main loop)."""
 
     # --- main loop ---------------------------------------------------------------------
 
-    def add(self, model: str, url: str, endpoint: str) -> None:
-        """Subscribe to `url`'s publisher at `endpoint` (no-op when already subscribed)."""
+    def add(self, model: str, url: str, endpoints: Endpoints) -> None:
+        """Subscribe to `url`'s publisher at `endpoints` (no-op when already subscribed)."""
         key = (model, url)
-        if self._endpoints.get(key) == endpoint:
+        if self._endpoints.get(key) == endpoints:
             return
-        self._endpoints[key] = endpoint
+        self._endpoints[key] = endpoints
+        self._tracked.discard(key)
         self._ensure_thread()
-        self._commands.put(("add", key, endpoint))
+        self._commands.put(("add", key, endpoints))
 
     def remove(self, model: str, url: str) -> None:
         if self._endpoints.pop((model, url), None) is not None:
-            self._commands.put(("remove", (model, url), ""))
+            self._tracked.discard((model, url))
+            self._commands.put(("remove", (model, url), None))
 
-    def subscribed(self) -> dict[Key, str]:
+    def tracked(self, model: str, url: str) -> None:
+        """The prefix tracker keys `url`'s blocks now: ask its publisher, once per
+        subscription, for what it still buffers (when it has a replay endpoint)."""
+        key = (model, url)
+        endpoints = self._endpoints.get(key)
+        if endpoints is None or endpoints.replay is None or key in self._tracked:
+            return
+        self._tracked.add(key)
+        self._commands.put(("catch_up", key, None))
+
+    def subscribed(self) -> dict[Key, Endpoints]:
         return dict(self._endpoints)
 
     async def stop(self) -> None:
@@ -164,13 +226,23 @@ class KvEventSubscribers:
                     self._stop.wait(POLL_TIMEOUT_MS / 1000)
                 for sock in ready:
                     source = by_socket.get(sock)
-                    if source is not None:
-                        self._read(source)
+                    if source is None:
+                        continue
+                    if sock is source.replay:
+                        self._read_replay(ctx, poller, by_socket, source)
+                    elif sock is source.socket:
+                        self._read(ctx, poller, by_socket, source)
+                now_s = time.monotonic()
+                for source in sources.values():
+                    if source.replay is not None and now_s > source.replay_deadline_s:
+                        self._replay_failed(poller, by_socket, source, "sent no end in time")
         except Exception:  # the thread must not die silently; the loop keeps routing
             logger.exception("the KV-event subscriber thread failed")
         finally:
             for source in sources.values():
                 source.socket.close(linger=0)
+                if source.replay is not None:
+                    source.replay.close(linger=0)
             ctx.term()
 
     def _apply_commands(
@@ -182,15 +254,28 @@ class KvEventSubscribers:
     ) -> None:
         while True:
             try:
-                op, key, endpoint = self._commands.get_nowait()
+                op, key, endpoints = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if op == "catch_up":
+                source = sources.get(key)
+                if source is not None and not source.caught_up:
+                    source.caught_up = True
+                    if source.replay is None:
+                        # Everything from 0 again, in order, those applied already too (the
+                        # blocks they stored could not be keyed before): the latest message
+                        # decides each block, as it did in the engine.
+                        source.last_seq = None
+                    self._start_replay(ctx, poller, by_socket, source, 0)
+                continue
             old = sources.pop(key, None)
             if old is not None:
+                if old.replay is not None:
+                    self._end_replay(poller, by_socket, old, apply_waiting=False)
                 poller.unregister(old.socket)
                 by_socket.pop(old.socket, None)
                 old.socket.close(linger=0)
-            if op != "add":
+            if op != "add" or endpoints is None:
                 continue
             sock = ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.RCVHWM, RCVHWM)
@@ -199,37 +284,183 @@ class KvEventSubscribers:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             try:
-                sock.connect(endpoint)
+                sock.connect(endpoints.events)
             except zmq.ZMQError as exc:
-                logger.warning("cannot subscribe to KV events at %s: %s", endpoint, exc)
+                logger.warning("cannot subscribe to KV events at %s: %s", endpoints.events, exc)
                 sock.close(linger=0)
                 continue
-            source = sources[key] = _Source(key, endpoint, sock)
+            source = sources[key] = _Source(key, endpoints, sock)
             by_socket[sock] = source
             poller.register(sock, zmq.POLLIN)
-            logger.info("subscribed to KV events of %s at %s", key[1], endpoint)
+            logger.info("subscribed to KV events of %s at %s", key[1], endpoints.events)
 
-    def _read(self, source: _Source) -> None:
+    def _drop(self, source: _Source, reason: str, n: int = 1) -> None:
         model, url = source.key
-        dropped = self._metrics.kv_events_dropped
+        self._metrics.kv_events_dropped.labels(model, url, reason).inc(n)
+
+    def _read(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Source],
+        source: _Source,
+    ) -> None:
         for _ in range(READ_BURST):
             try:
                 frames = source.socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
             except zmq.ZMQError:
-                dropped.labels(model, url, "garbled").inc()
+                self._drop(source, "garbled")
                 return
-            ops = self._translate(source, frames)
-            for reason, n in ops.dropped.items():
-                dropped.labels(model, url, reason).inc(n)
-            if ops.empty:
+            if source.replay is not None:  # applied once the replay ends
+                if len(source.waiting) >= RCVHWM:
+                    self._drop(source, "backlog")
+                else:
+                    source.waiting.append(frames)
                 continue
-            if len(self._ready) >= MAX_BACKLOG:
-                dropped.labels(model, url, "backlog").inc()
+            if (
+                self._lost_before(source, frames)
+                and source.endpoints.replay is not None
+                and time.monotonic() >= source.replay_after_s
+            ):
+                # Ask for what was lost; this message waits for the replay.
+                assert source.last_seq is not None
+                source.waiting.append(frames)
+                self._start_replay(ctx, poller, by_socket, source, source.last_seq + 1)
                 continue
-            self._ready.append((source.key, ops))
-            self._schedule_drain()
+            self._queue(source, self._translate(source, frames))
+
+    def _read_replay(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Source],
+        source: _Source,
+    ) -> None:
+        replayed = self._metrics.kv_events.labels(*source.key, "replayed_messages")
+        for _ in range(READ_BURST):
+            sock = source.replay
+            if sock is None:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                self._drop(source, "garbled")
+                return
+            # (b"", topic, seq, payload); the end: (b"", b"", -1, b"").
+            if len(frames) != 4 or frames[0]:
+                self._drop(source, "garbled")
+                continue
+            seq = seq_of(frames[2])
+            if seq == -1:
+                self._end_replay(poller, by_socket, source)
+                return
+            source.replayed += 1
+            if source.replayed > MAX_REPLAY_MESSAGES:
+                self._replay_failed(poller, by_socket, source, "sent too many messages")
+                return
+            if seq is not None and source.last_seq is not None and seq <= source.last_seq:
+                continue  # already applied (or a replayer going back: nothing to learn)
+            replayed.inc()
+            self._queue(source, self._translate(source, frames[1:]))
+
+    def _start_replay(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Source],
+        source: _Source,
+        start: int,
+    ) -> None:
+        """Ask `source`'s publisher for its buffered messages from sequence `start`."""
+        endpoint = source.endpoints.replay
+        if endpoint is None or source.replay is not None:
+            return
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 1024)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            # Queued until the connection is up (a DEALER never drops a first message).
+            sock.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("cannot ask %s for a KV-event replay: %s", endpoint, exc)
+            sock.close(linger=0)
+            self._apply_waiting(source)
+            return
+        source.replay = sock
+        source.replayed = 0
+        source.replay_deadline_s = time.monotonic() + REPLAY_TIMEOUT_S
+        by_socket[sock] = source
+        poller.register(sock, zmq.POLLIN)
+        logger.info("asked %s for its KV events from sequence %d", source.key[1], start)
+
+    def _replay_failed(
+        self,
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Source],
+        source: _Source,
+        why: str,
+    ) -> None:
+        """Abandon the running replay; ask for none after a gap for `REPLAY_COOLDOWN_S` (a
+        replica without a replay socket would hold every gap's messages that long)."""
+        logger.warning("KV-event replay from %s %s: abandoned", source.endpoints.replay, why)
+        self._drop(source, "replay_timeout")
+        source.replay_after_s = time.monotonic() + REPLAY_COOLDOWN_S
+        self._end_replay(poller, by_socket, source)
+
+    def _end_replay(
+        self,
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Source],
+        source: _Source,
+        *,
+        apply_waiting: bool = True,
+    ) -> None:
+        """Close the running replay, then apply the live messages that waited for it."""
+        sock = source.replay
+        if sock is not None:
+            poller.unregister(sock)
+            by_socket.pop(sock, None)
+            sock.close(linger=0)
+            source.replay = None
+        if apply_waiting:
+            self._apply_waiting(source)
+        else:
+            source.waiting.clear()
+
+    def _apply_waiting(self, source: _Source) -> None:
+        """Apply the live messages that waited, skipping those a replay already carried; a
+        gap left among them is counted, not asked for again."""
+        waiting = source.waiting
+        while waiting:
+            frames = waiting.popleft()
+            seq = seq_of(frames[1]) if len(frames) == 3 else None
+            if seq is not None and source.last_seq is not None and 0 <= seq <= source.last_seq:
+                continue
+            self._queue(source, self._translate(source, frames))
+
+    def _queue(self, source: _Source, ops: Ops) -> None:
+        """Count `ops`' drops and queue the rest for the main loop."""
+        for reason, n in ops.dropped.items():
+            self._drop(source, reason, n)
+        if ops.empty:
+            return
+        if len(self._ready) >= MAX_BACKLOG:
+            self._drop(source, "backlog")
+            return
+        self._ready.append((source.key, ops))
+        self._schedule_drain()
+
+    @staticmethod
+    def _lost_before(source: _Source, frames: list[bytes]) -> bool:
+        """Whether messages were lost before this live one (its sequence skips ahead)."""
+        seq = seq_of(frames[1]) if len(frames) == 3 else None
+        return seq is not None and source.last_seq is not None and seq > source.last_seq + 1
 
     def _translate(self, source: _Source, frames: list[bytes]) -> Ops:
         if len(frames) != 3:
@@ -260,3 +491,18 @@ def endpoint_for(url: str, port: int, explicit: dict[str, str]) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
+
+
+def endpoints_for(
+    url: str,
+    port: int,
+    explicit: dict[str, str],
+    replay_port: int | None,
+    explicit_replay: dict[str, str],
+) -> Endpoints:
+    """Backend `url`'s publisher and replay endpoints (`endpoint_for` each; no replay when
+    neither `replay_port` nor `explicit_replay` names one)."""
+    replay = None
+    if url in explicit_replay or replay_port is not None:
+        replay = endpoint_for(url, replay_port or 0, explicit_replay)
+    return Endpoints(endpoint_for(url, port, explicit), replay)

@@ -377,7 +377,8 @@ class GatewayMetrics:
         self.kv_events = Counter(
             "sal_kv_events",
             "vLLM KV-cache events applied to the prefix index (routing.prefix_cache: "
-            "kv_events), by kind: stored_blocks, removed_blocks, cleared",
+            "kv_events), by kind: stored_blocks, removed_blocks, cleared; replayed_messages "
+            "(messages a replay carried)",
             [*_MB, "kind"],
             registry=r,
         )
@@ -385,7 +386,7 @@ class GatewayMetrics:
             "sal_kv_events_dropped",
             "KV-cache event messages or events dropped, by reason (garbled, oversized, gap, "
             "unknown_parent, foreign: another block size, medium, group, LoRA or extra keys; "
-            "backlog: the gateway's loop fell behind)",
+            "backlog: the gateway's loop fell behind; replay_timeout: a replay abandoned)",
             [*_MB, "reason"],
             registry=r,
         )

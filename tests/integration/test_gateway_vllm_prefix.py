@@ -7,10 +7,12 @@ KV-cache events, the gateway in this process (``routing.policy: sal``, once per 
 phantom request in flight in the gateway's table makes one replica look busier, so that a
 cache-blind SAL (ties between idle replicas broken by fewer requests in flight) would send
 each follow-up turn to the *other* replica; the cache-aware one must send it back to the
-replica that holds its prefix, in both directions. Last, the gateway as the CLI runs it with
-two workers: a turn through the worker that did not route the turn before it finds its prefix
-only when the workers share their index; and as two gateways (on separate hosts as far as
-they know) telling each other over ``peers``: the same, only when they tell the blocks.
+replica that holds its prefix, in both directions. A gateway started after a replica served
+a turn learns of it only through the replicas' replay sockets. Last, the gateway as the CLI
+runs it with two workers: a turn through the worker that did not route the turn before it
+finds its prefix only when the workers share their index; and as two gateways (on separate
+hosts as far as they know) telling each other over ``peers``: the same, only when they tell
+the blocks.
 """
 
 from __future__ import annotations
@@ -46,8 +48,18 @@ BLOCK = 128
 DEADLINE_S = 60.0
 
 
+def _replay_endpoint(endpoint: str) -> str:
+    """The replay socket beside a replica's event publisher at `endpoint`."""
+    return endpoint.replace("/kv-", "/replay-")
+
+
 def _replica_args(endpoint: str) -> tuple[str, ...]:
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": _replay_endpoint(endpoint),
+    }
     return (
         "--served-model-name",
         MODEL,
@@ -84,35 +96,39 @@ def replicas(
         yield _replica_urls(tiny_model_dir, endpoints, stack), endpoints
 
 
-@pytest.fixture(params=["approximate", "kv_events"])
-def fleet(
-    request: pytest.FixtureRequest, replicas: tuple[list[str], list[str]]
-) -> Iterator[tuple[list[str], str, Runtime]]:
-    urls, endpoints = replicas
-    with ExitStack() as stack:
-        model = {
-            "name": MODEL,
-            "backends": urls,
-            "kv_events_endpoints": dict(zip(urls, endpoints, strict=True)),
+@contextlib.contextmanager
+def _gateway(
+    urls: list[str], endpoints: list[str], prefix_cache: str, *, replay: bool = False
+) -> Iterator[tuple[str, Runtime]]:
+    """A gateway in this process in front of the replicas (its URL and runtime), once it
+    tracks every replica's prefix cache; `replay`: with the replicas' replay endpoints."""
+    model: dict[str, object] = {
+        "name": MODEL,
+        "backends": urls,
+        "kv_events_endpoints": dict(zip(urls, endpoints, strict=True)),
+    }
+    if replay:
+        model["kv_events_replay_endpoints"] = {
+            u: _replay_endpoint(e) for u, e in zip(urls, endpoints, strict=True)
         }
-        config = build_config(
-            {
-                "models": [model],
-                "listen": {"host": "127.0.0.1", "port": 0},
-                "routing": {
-                    "policy": "sal",
-                    "prefix_cache": request.param,
-                    # Every hit counts: these conversations are a few blocks long (the
-                    # default ignores matches under 1,024 tokens).
-                    "prefix_min_match_tokens": 0,
-                    "poll_timeout_s": 1.0,
-                    "stale_after_s": 3.0,  # 2 busy cores: a late poll must not eject
-                },
-                "log_level": "warning",
-            }
-        )
-        app = create_app(config)
-        gateway = stack.enter_context(ServedApp(app, lifespan=True))
+    config = build_config(
+        {
+            "models": [model],
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "routing": {
+                "policy": "sal",
+                "prefix_cache": prefix_cache,
+                # Every hit counts: these conversations are a few blocks long (the
+                # default ignores matches under 1,024 tokens).
+                "prefix_min_match_tokens": 0,
+                "poll_timeout_s": 1.0,
+                "stale_after_s": 3.0,  # 2 busy cores: a late poll must not eject
+            },
+            "log_level": "warning",
+        }
+    )
+    app = create_app(config)
+    with ServedApp(app, lifespan=True) as gateway:
         runtime: Runtime = app.state.runtime
         deadline = time.monotonic() + DEADLINE_S
         # Every replica tracked, not just the model's block size learnt (that is the first
@@ -124,6 +140,15 @@ def fleet(
         ):
             assert time.monotonic() < deadline, "the gateway never tracked every replica's cache"
             time.sleep(0.1)
+        yield gateway, runtime
+
+
+@pytest.fixture(params=["approximate", "kv_events"])
+def fleet(
+    request: pytest.FixtureRequest, replicas: tuple[list[str], list[str]]
+) -> Iterator[tuple[list[str], str, Runtime]]:
+    urls, endpoints = replicas
+    with _gateway(urls, endpoints, request.param) as (gateway, runtime):
         if request.param == "kv_events":
             _subscribed(urls, gateway)
         yield urls, gateway, runtime
@@ -301,6 +326,65 @@ def test_turns_follow_their_prefix_and_vllm_reuses_it(
                 break
             time.sleep(0.2)
         assert min(grown) >= 5, ("too few KV events reached the gateway", grown)
+
+
+def _metric_total(gateway: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    text = httpx.get(f"{gateway}/metrics", timeout=10.0).text
+    total = 0.0
+    for label_text, value in re.findall(rf"^{name}\{{([^}}]*)\}} ([0-9.e+]+)$", text, re.M):
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_a_gateway_started_after_its_replicas_replays_what_they_cached(
+    replicas: tuple[list[str], list[str]],
+) -> None:
+    # A conversation's first turn is served by replica 1 while no gateway runs (a gateway
+    # pod restarted, or rolled out after the replicas). ZMQ gives a new subscriber only what
+    # is published after it joins: a gateway reading live events alone never learns that
+    # replica 1 holds the turn. With the replicas' replay endpoints it asks each publisher
+    # for what it still buffers, and the next turn goes to replica 1 though the gateway
+    # believes it busier; vLLM's own cached_tokens confirm the reuse.
+    urls, endpoints = replicas
+    rng = random.Random("replay")
+    first = [rng.randrange(10, 1900) for _ in range(5 * BLOCK + 20)]
+    assert _complete(urls[1], first)["usage"]["prompt_tokens"] == len(first)
+    with _gateway(urls, endpoints, "kv_events") as (gateway, runtime):
+        # Without replay: live events only (each replica's proven flowing), nothing predicted.
+        _subscribed(urls, gateway)
+        why: list[str] = []
+        second = [*first, *range(40, 80)]
+        with _busier(runtime.table.backends(MODEL)[1]):
+            served, _, _ = _turn(urls, gateway, second, runtime, why)
+        assert served == 0, why  # the cache-blind choice: replica 0 looks less busy
+        assert _metric_total(gateway, "sal_prefix_predicted_hit_tokens_total") == 0
+        assert _metric_total(gateway, "sal_kv_events_total", kind="replayed_messages") == 0
+    third = [rng.randrange(10, 1900) for _ in range(5 * BLOCK + 20)]
+    assert _complete(urls[1], third)["usage"]["prompt_tokens"] == len(third)
+    with _gateway(urls, endpoints, "kv_events", replay=True) as (gateway, runtime):
+        # Each replica's catch-up replay has run, and its messages are all applied (their
+        # count no longer grows: the replay ended; the main loop applies them at once).
+        deadline = time.monotonic() + DEADLINE_S
+        replayed = [0.0, 0.0]
+        while True:
+            now = [
+                _metric_total(gateway, "sal_kv_events_total", kind="replayed_messages", backend=u)
+                for u in urls
+            ]
+            if min(now) > 0 and now == replayed:
+                break
+            assert time.monotonic() < deadline, f"replicas' buffers not replayed: {now}"
+            replayed = now
+            time.sleep(0.5)
+        why = []
+        with _busier(runtime.table.backends(MODEL)[1]):
+            served, cached, _ = _turn(urls, gateway, [*third, *range(40, 80)], runtime, why)
+        assert served == 1, why
+        assert cached >= 5 * BLOCK
+        assert _metric_total(gateway, "sal_prefix_predicted_hit_tokens_total") >= 5 * BLOCK
+        assert _metric_total(gateway, "sal_kv_events_dropped_total", reason="replay_timeout") == 0
 
 
 def test_stats_reports_vllms_own_prefix_cache_counters(

@@ -236,6 +236,17 @@ def test_prefix_cache_keys_default_and_validate() -> None:
         == 0
     )
     assert config.models[0].kv_events_endpoints == (("http://a:1", "tcp://10.0.0.5:5600"),)
+    # Replay is off unless a port or an endpoint names the replicas' replay sockets.
+    assert routing.kv_events_replay_port is None
+    assert config.models[0].kv_events_replay_endpoints == ()
+    replay = build_config(
+        {
+            "models": [{**_M, "kv_events_replay_endpoints": {"http://a:1": "ipc:///r.sock"}}],
+            "routing": {"prefix_cache": "kv_events", "kv_events_replay_port": 5558},
+        }
+    )
+    assert replay.routing.kv_events_replay_port == 5558
+    assert replay.models[0].kv_events_replay_endpoints == (("http://a:1", "ipc:///r.sock"),)
 
 
 @pytest.mark.parametrize(
@@ -246,6 +257,9 @@ def test_prefix_cache_keys_default_and_validate() -> None:
         ({"session_header": "bad header"}, {}, "routing.session_header: not a valid"),
         ({"kv_events_port": 70000}, {}, "routing.kv_events_port: must be <= 65535"),
         ({"kv_events_topic": 3}, {}, "routing.kv_events_topic: expected a string"),
+        ({"kv_events_replay_port": 0}, {}, "routing.kv_events_replay_port: must be >= 1"),
+        ({"kv_events_replay_port": "x"}, {}, "routing.kv_events_replay_port: expected"),
+        ({}, {"kv_events_replay_endpoints": {"http://a:1": "a:1"}}, "expected a ZMQ endpoint"),
         ({"prefix_min_match_tokens": -1}, {}, "routing.prefix_min_match_tokens: must be >= 0"),
         ({}, {"kv_events_endpoints": ["tcp://a:1"]}, r"kv_events_endpoints: expected a mapping"),
         ({}, {"kv_events_endpoints": {"http://a:1": "a:1"}}, "expected a ZMQ endpoint"),

@@ -1,6 +1,7 @@
 """vLLM's KV-cache events in the gateway: the wire format (encoded by vLLM's own classes), the
-mapping of vLLM's block hashes onto the gateway's chained keys, hostile messages, and the
-subscriber thread against vLLM's own ZMQ publisher."""
+mapping of vLLM's block hashes onto the gateway's chained keys, hostile messages, the
+subscriber thread against vLLM's own ZMQ publisher, and replay (a gateway that joins late
+catches up; lost messages are asked for again; a replayer that never ends is abandoned)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import zmq
 from engine_sim.fake_vllm import default_stats
 from sal_core.policies import BackendView
 from sal_core.prefix import chain_hashes
+from sal_gateway import kv_subscriber
 from sal_gateway.kv_events import BlockKeyMap, seq_of
-from sal_gateway.kv_subscriber import KvEventSubscribers, endpoint_for
+from sal_gateway.kv_subscriber import Endpoints, KvEventSubscribers, endpoint_for, endpoints_for
 from sal_gateway.metrics import GatewayMetrics
 from sal_gateway.prefix_cache import PrefixTracker, PromptBlocks
 from tests.gw_fake_support import metric
@@ -140,6 +142,16 @@ def test_sequence_frames_and_endpoints() -> None:
     assert endpoint_for("http://[::1]:8000", 5557, {}) == "tcp://[::1]:5557"
     explicit = {"http://a:1": "ipc:///run/a.sock"}
     assert endpoint_for("http://a:1", 5557, explicit) == "ipc:///run/a.sock"
+    # Replay: only where a port or an endpoint names it.
+    assert endpoints_for("http://a:1", 5557, {}, None, {}) == Endpoints("tcp://a:5557")
+    assert endpoints_for("http://a:1", 5557, {}, 5558, {}) == Endpoints(
+        "tcp://a:5557", "tcp://a:5558"
+    )
+    replay = {"http://a:1": "ipc:///run/a-replay.sock"}
+    assert endpoints_for("http://a:1", 5557, explicit, None, replay) == Endpoints(
+        "ipc:///run/a.sock", "ipc:///run/a-replay.sock"
+    )
+    assert endpoints_for("http://b:1", 5557, {}, None, replay).replay is None
 
 
 # --- the subscriber thread, against vLLM's own publisher -------------------------------------
@@ -165,7 +177,7 @@ async def test_subscriber_applies_vllm_publisher_events_off_the_loop(tmp_path: P
     metrics = GatewayMetrics("test")
     subscribers = KvEventSubscribers(tracker, metrics)
     try:
-        subscribers.add("m", "http://a", endpoint)
+        subscribers.add("m", "http://a", Endpoints(endpoint))
         stored = _stored([_h(i) for i in range(6)], TOKENS, None)
 
         def published_and_applied() -> bool:
@@ -198,7 +210,7 @@ async def test_hostile_publisher_messages_are_counted_and_the_subscriber_keeps_g
     subscribers = KvEventSubscribers(tracker, metrics)
     good = _payload(_stored([_h(1)], TOKENS[:BS], None))
     try:
-        subscribers.add("m", "http://a", endpoint)
+        subscribers.add("m", "http://a", Endpoints(endpoint))
 
         def dropped(reason: str) -> float:
             text = metrics.exposition().decode()
@@ -217,3 +229,191 @@ async def test_hostile_publisher_messages_are_counted_and_the_subscriber_keeps_g
         await subscribers.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+
+def _counted(metrics: GatewayMetrics, name: str, **labels: str) -> float:
+    return metric(metrics.exposition().decode(), name, **labels) or 0.0
+
+
+async def test_a_gateway_that_joins_late_learns_what_the_replica_cached_before(
+    tmp_path: Path,
+) -> None:
+    # vLLM's own publisher, with its replay socket: six blocks stored and one removed before
+    # the gateway subscribes. Live events alone never show them (ZMQ delivers only what is
+    # published after the subscription); the catch-up replay does, once the gateway keys
+    # the backend's blocks.
+    endpoint, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay)
+    tracker = _tracker()
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    try:
+        publisher.publish(
+            KVEventBatch(ts=time.time(), events=[_stored([_h(i) for i in range(6)], TOKENS, None)])
+        )
+        publisher.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([_h(5)], "GPU")]))
+        await _until(lambda: len(publisher._buffer) == 2)
+        subscribers.add("m", "http://a", Endpoints(endpoint, replay))
+        await asyncio.sleep(0.3)
+        assert tracker.indexed_blocks("m", "http://a") == 0  # nothing live to learn from
+        subscribers.tracked("m", "http://a")
+        await _until(lambda: tracker.indexed_blocks("m", "http://a") == 5)
+        views = [BackendView("http://a", True, 0, 16000, 0, 2048)]
+        tracker.annotate("m", views, PromptBlocks(tuple(chain_hashes(TOKENS, BS)), len(TOKENS) + 1))
+        assert views[0].cached_tokens == 5 * BS
+        assert _counted(metrics, "sal_kv_events_total", kind="replayed_messages") == 2
+        # Asked once per subscription; live events go on after it.
+        subscribers.tracked("m", "http://a")
+        more = _stored([_h(9)], list(range(900, 900 + BS)), _h(4))
+        publisher.publish(KVEventBatch(ts=time.time(), events=[more]))
+        await _until(lambda: tracker.indexed_blocks("m", "http://a") == 6)
+        assert _counted(metrics, "sal_kv_events_total", kind="replayed_messages") == 2
+        assert _counted(metrics, "sal_kv_events_dropped_total", reason="gap") == 0
+    finally:
+        await subscribers.stop()
+        publisher.shutdown()
+
+
+class _FakePublisher:
+    """A publisher the test drives message by message: PUB for live messages, ROUTER for
+    replay requests, answered as vLLM's `ZmqEventPublisher._service_replay` does (or not)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.endpoints = Endpoints(f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/rep.sock")
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(self.endpoints.events)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        assert self.endpoints.replay is not None
+        self.router.bind(self.endpoints.replay)
+        self.sent: dict[int, bytes] = {}
+
+    def live(self, seq: int, payload: bytes, *, lose: bool = False) -> None:
+        self.sent[seq] = payload
+        if not lose:
+            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def replay_request(self) -> tuple[bytes, int] | None:
+        if not self.router.poll(0):
+            return None
+        client, empty, start = self.router.recv_multipart()
+        assert empty == b""
+        return client, int.from_bytes(start, "big")
+
+    def answer(self, client: bytes, start: int, *extra: list[bytes], end: bool = True) -> None:
+        for seq in sorted(s for s in self.sent if s >= start):
+            self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), self.sent[seq]])
+        for frames in extra:
+            self.router.send_multipart([client, *frames])
+        if end:
+            self.router.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def _chain(n: int) -> list[bytes]:
+    """`n` payloads, each storing one block chained to the one before (block i: hash i+1)."""
+    return [
+        _payload(_stored([_h(i + 1)], TOKENS[i * BS : (i + 1) * BS], None if i == 0 else _h(i)))
+        for i in range(n)
+    ]
+
+
+async def test_lost_messages_are_asked_for_again_and_applied_in_order(tmp_path: Path) -> None:
+    # Messages 1 and 2 are lost on the way (a slow subscriber past its high-water mark, a
+    # reconnect). Without replay, block 2 and every block chained after it could never be
+    # keyed (their parents unknown); with it the gateway asks for 1.. and indexes all four.
+    fake = _FakePublisher(tmp_path)
+    payloads = _chain(4)
+    tracker = _tracker()
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    try:
+        subscribers.add("m", "http://a", fake.endpoints)
+
+        def first_arrived() -> bool:  # ZMQ's slow joiner: resend until subscribed
+            fake.live(0, payloads[0])
+            return tracker.indexed_blocks("m", "http://a") == 1
+
+        await _until(first_arrived)
+        await asyncio.sleep(0.2)  # every resent copy of 0 applied
+        stored_before = _counted(metrics, "sal_kv_events_total", kind="stored_blocks")
+        fake.live(1, payloads[1], lose=True)
+        fake.live(2, payloads[2], lose=True)
+        fake.live(3, payloads[3])
+        request = None
+        deadline = time.monotonic() + 10
+        while (request := fake.replay_request()) is None:
+            assert time.monotonic() < deadline, "no replay was asked for"
+            await asyncio.sleep(0.02)
+        client, start = request
+        assert start == 1
+        # The replay carries a garbled message too: counted, the rest applied.
+        fake.answer(client, start, [b"", b"only three frames", b""])
+        await _until(lambda: tracker.indexed_blocks("m", "http://a") == 4)
+        views = [BackendView("http://a", True, 0, 16000, 0, 2048)]
+        tracker.annotate(
+            "m", views, PromptBlocks(tuple(chain_hashes(TOKENS[: 4 * BS], BS)), 4 * BS + 1)
+        )
+        assert views[0].cached_tokens == 4 * BS
+        assert _counted(metrics, "sal_kv_events_dropped_total", reason="gap") == 0
+        assert _counted(metrics, "sal_kv_events_dropped_total", reason="unknown_parent") == 0
+        assert _counted(metrics, "sal_kv_events_dropped_total", reason="garbled") == 1
+        # Seqs 1-3 came by replay; the live 3 that waited for it is not applied twice.
+        assert _counted(metrics, "sal_kv_events_total", kind="replayed_messages") == 3
+        stored = _counted(metrics, "sal_kv_events_total", kind="stored_blocks")
+        assert stored == stored_before + 3
+    finally:
+        await subscribers.stop()
+        fake.close()
+
+
+async def test_a_replay_that_never_ends_is_abandoned_and_the_live_messages_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The replica's replay socket takes the request and never answers (a replayer stuck, or
+    # lying): after REPLAY_TIMEOUT_S the gateway gives up, applies the live messages that
+    # waited (the loss counted as a gap) and asks for no replay during the cooldown.
+    monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.5)
+    fake = _FakePublisher(tmp_path)
+    payloads = _chain(4)
+    tracker = _tracker()
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    try:
+        subscribers.add("m", "http://a", fake.endpoints)
+
+        def first_arrived() -> bool:
+            fake.live(0, payloads[0])
+            return tracker.indexed_blocks("m", "http://a") == 1
+
+        await _until(first_arrived)
+        fake.live(1, payloads[1], lose=True)
+        fake.live(2, payloads[2])  # a gap: waits for a replay that never ends
+        await _until(lambda: fake.replay_request() is not None)
+        fake.live(3, payloads[3])
+        await _until(
+            lambda: _counted(metrics, "sal_kv_events_dropped_total", reason="replay_timeout") == 1
+        )
+        await _until(
+            lambda: _counted(metrics, "sal_kv_events_dropped_total", reason="unknown_parent") == 2
+        )
+        assert _counted(metrics, "sal_kv_events_dropped_total", reason="gap") == 1
+        assert tracker.indexed_blocks("m", "http://a") == 1  # blocks 2 and 3 had lost parents
+        # Another gap within the cooldown is counted, not asked for.
+        fake.live(5, _chain(1)[0])
+        await _until(lambda: _counted(metrics, "sal_kv_events_dropped_total", reason="gap") == 2)
+        await asyncio.sleep(0.2)
+        assert fake.replay_request() is None
+        assert tracker.indexed_blocks("m", "http://a") == 1
+    finally:
+        await subscribers.stop()
+        fake.close()
