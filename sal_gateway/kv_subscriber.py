@@ -127,6 +127,10 @@ class KvEventSubscribers:
         """Main loop's view of the subscriptions."""
         self._tracked: set[Key] = set()
         """Subscriptions whose catch-up replay was asked for (main loop)."""
+        # The subscriber thread's own (set up by `_run`, touched by no other thread):
+        self._zctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket[bytes], _Source] = {}
 
     # --- main loop ---------------------------------------------------------------------
 
@@ -211,13 +215,12 @@ class KvEventSubscribers:
     # --- the subscriber thread ---------------------------------------------------------
 
     def _run(self) -> None:
-        ctx = zmq.Context()
-        poller = zmq.Poller()
+        ctx = self._zctx = zmq.Context()
+        poller = self._poller
         sources: dict[Key, _Source] = {}
-        by_socket: dict[zmq.Socket[bytes], _Source] = {}
         try:
             while not self._stop.is_set():
-                self._apply_commands(ctx, poller, sources, by_socket)
+                self._apply_commands(ctx, sources)
                 try:
                     ready = dict(poller.poll(POLL_TIMEOUT_MS)) if sources else {}
                 except zmq.ZMQError:
@@ -225,17 +228,17 @@ class KvEventSubscribers:
                 if not sources:
                     self._stop.wait(POLL_TIMEOUT_MS / 1000)
                 for sock in ready:
-                    source = by_socket.get(sock)
+                    source = self._by_socket.get(sock)
                     if source is None:
                         continue
                     if sock is source.replay:
-                        self._read_replay(ctx, poller, by_socket, source)
+                        self._read_replay(source)
                     elif sock is source.socket:
-                        self._read(ctx, poller, by_socket, source)
+                        self._read(source)
                 now_s = time.monotonic()
                 for source in sources.values():
                     if source.replay is not None and now_s > source.replay_deadline_s:
-                        self._replay_failed(poller, by_socket, source, "sent no end in time")
+                        self._replay_failed(source, "sent no end in time")
         except Exception:  # the thread must not die silently; the loop keeps routing
             logger.exception("the KV-event subscriber thread failed")
         finally:
@@ -246,11 +249,7 @@ class KvEventSubscribers:
             ctx.term()
 
     def _apply_commands(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        poller: zmq.Poller,
-        sources: dict[Key, _Source],
-        by_socket: dict[zmq.Socket[bytes], _Source],
+        self, ctx: zmq.Context[zmq.Socket[bytes]], sources: dict[Key, _Source]
     ) -> None:
         while True:
             try:
@@ -266,14 +265,14 @@ class KvEventSubscribers:
                         # blocks they stored could not be keyed before): the latest message
                         # decides each block, as it did in the engine.
                         source.last_seq = None
-                    self._start_replay(ctx, poller, by_socket, source, 0)
+                    self._start_replay(source, 0)
                 continue
             old = sources.pop(key, None)
             if old is not None:
                 if old.replay is not None:
-                    self._end_replay(poller, by_socket, old, apply_waiting=False)
-                poller.unregister(old.socket)
-                by_socket.pop(old.socket, None)
+                    self._end_replay(old, apply_waiting=False)
+                self._poller.unregister(old.socket)
+                self._by_socket.pop(old.socket, None)
                 old.socket.close(linger=0)
             if op != "add" or endpoints is None:
                 continue
@@ -290,28 +289,28 @@ class KvEventSubscribers:
                 sock.close(linger=0)
                 continue
             source = sources[key] = _Source(key, endpoints, sock)
-            by_socket[sock] = source
-            poller.register(sock, zmq.POLLIN)
+            self._by_socket[sock] = source
+            self._poller.register(sock, zmq.POLLIN)
             logger.info("subscribed to KV events of %s at %s", key[1], endpoints.events)
 
     def _drop(self, source: _Source, reason: str, n: int = 1) -> None:
         model, url = source.key
         self._metrics.kv_events_dropped.labels(model, url, reason).inc(n)
 
-    def _read(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Source],
-        source: _Source,
-    ) -> None:
+    def _recv(self, sock: zmq.Socket[bytes], source: _Source) -> list[bytes] | None:
+        """One message from `sock`; None when none waits (or the socket failed: counted)."""
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError:
+            self._drop(source, "garbled")
+            return None
+
+    def _read(self, source: _Source) -> None:
         for _ in range(READ_BURST):
-            try:
-                frames = source.socket.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                self._drop(source, "garbled")
+            frames = self._recv(source.socket, source)
+            if frames is None:
                 return
             if source.replay is not None:  # applied once the replay ends
                 if len(source.waiting) >= RCVHWM:
@@ -327,28 +326,16 @@ class KvEventSubscribers:
                 # Ask for what was lost; this message waits for the replay.
                 assert source.last_seq is not None
                 source.waiting.append(frames)
-                self._start_replay(ctx, poller, by_socket, source, source.last_seq + 1)
+                self._start_replay(source, source.last_seq + 1)
                 continue
             self._queue(source, self._translate(source, frames))
 
-    def _read_replay(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Source],
-        source: _Source,
-    ) -> None:
+    def _read_replay(self, source: _Source) -> None:
         replayed = self._metrics.kv_events.labels(*source.key, "replayed_messages")
         for _ in range(READ_BURST):
             sock = source.replay
-            if sock is None:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                self._drop(source, "garbled")
+            frames = None if sock is None else self._recv(sock, source)
+            if frames is None:
                 return
             # (b"", topic, seq, payload); the end: (b"", b"", -1, b"").
             if len(frames) != 4 or frames[0]:
@@ -356,30 +343,23 @@ class KvEventSubscribers:
                 continue
             seq = seq_of(frames[2])
             if seq == -1:
-                self._end_replay(poller, by_socket, source)
+                self._end_replay(source)
                 return
             source.replayed += 1
             if source.replayed > MAX_REPLAY_MESSAGES:
-                self._replay_failed(poller, by_socket, source, "sent too many messages")
+                self._replay_failed(source, "sent too many messages")
                 return
             if seq is not None and source.last_seq is not None and seq <= source.last_seq:
                 continue  # already applied (or a replayer going back: nothing to learn)
             replayed.inc()
             self._queue(source, self._translate(source, frames[1:]))
 
-    def _start_replay(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Source],
-        source: _Source,
-        start: int,
-    ) -> None:
+    def _start_replay(self, source: _Source, start: int) -> None:
         """Ask `source`'s publisher for its buffered messages from sequence `start`."""
         endpoint = source.endpoints.replay
-        if endpoint is None or source.replay is not None:
+        if endpoint is None or source.replay is not None or self._zctx is None:
             return
-        sock = ctx.socket(zmq.DEALER)
+        sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 1024)
         sock.setsockopt(zmq.LINGER, 0)
@@ -395,37 +375,24 @@ class KvEventSubscribers:
         source.replay = sock
         source.replayed = 0
         source.replay_deadline_s = time.monotonic() + REPLAY_TIMEOUT_S
-        by_socket[sock] = source
-        poller.register(sock, zmq.POLLIN)
+        self._by_socket[sock] = source
+        self._poller.register(sock, zmq.POLLIN)
         logger.info("asked %s for its KV events from sequence %d", source.key[1], start)
 
-    def _replay_failed(
-        self,
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Source],
-        source: _Source,
-        why: str,
-    ) -> None:
+    def _replay_failed(self, source: _Source, why: str) -> None:
         """Abandon the running replay; ask for none after a gap for `REPLAY_COOLDOWN_S` (a
         replica without a replay socket would hold every gap's messages that long)."""
         logger.warning("KV-event replay from %s %s: abandoned", source.endpoints.replay, why)
         self._drop(source, "replay_timeout")
         source.replay_after_s = time.monotonic() + REPLAY_COOLDOWN_S
-        self._end_replay(poller, by_socket, source)
+        self._end_replay(source)
 
-    def _end_replay(
-        self,
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Source],
-        source: _Source,
-        *,
-        apply_waiting: bool = True,
-    ) -> None:
+    def _end_replay(self, source: _Source, *, apply_waiting: bool = True) -> None:
         """Close the running replay, then apply the live messages that waited for it."""
         sock = source.replay
         if sock is not None:
-            poller.unregister(sock)
-            by_socket.pop(sock, None)
+            self._poller.unregister(sock)
+            self._by_socket.pop(sock, None)
             sock.close(linger=0)
             source.replay = None
         if apply_waiting:

@@ -6,9 +6,10 @@ catches up; lost messages are asked for again; a replayer that never ends is aba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -327,12 +328,11 @@ def _chain(n: int) -> list[bytes]:
     ]
 
 
-async def test_lost_messages_are_asked_for_again_and_applied_in_order(tmp_path: Path) -> None:
-    # Messages 1 and 2 are lost on the way (a slow subscriber past its high-water mark, a
-    # reconnect). Without replay, block 2 and every block chained after it could never be
-    # keyed (their parents unknown); with it the gateway asks for 1.. and indexes all four.
-    fake = _FakePublisher(tmp_path)
-    payloads = _chain(4)
+@contextlib.asynccontextmanager
+async def _subscribed_to(
+    fake: _FakePublisher, first: bytes
+) -> AsyncIterator[tuple[PrefixTracker, GatewayMetrics, KvEventSubscribers]]:
+    """A subscriber to `fake` that has applied its message 0 (`first`, one block)."""
     tracker = _tracker()
     metrics = GatewayMetrics("test")
     subscribers = KvEventSubscribers(tracker, metrics)
@@ -340,11 +340,24 @@ async def test_lost_messages_are_asked_for_again_and_applied_in_order(tmp_path: 
         subscribers.add("m", "http://a", fake.endpoints)
 
         def first_arrived() -> bool:  # ZMQ's slow joiner: resend until subscribed
-            fake.live(0, payloads[0])
+            fake.live(0, first)
             return tracker.indexed_blocks("m", "http://a") == 1
 
         await _until(first_arrived)
         await asyncio.sleep(0.2)  # every resent copy of 0 applied
+        yield tracker, metrics, subscribers
+    finally:
+        await subscribers.stop()
+        fake.close()
+
+
+async def test_lost_messages_are_asked_for_again_and_applied_in_order(tmp_path: Path) -> None:
+    # Messages 1 and 2 are lost on the way (a slow subscriber past its high-water mark, a
+    # reconnect). Without replay, block 2 and every block chained after it could never be
+    # keyed (their parents unknown); with it the gateway asks for 1.. and indexes all four.
+    fake = _FakePublisher(tmp_path)
+    payloads = _chain(4)
+    async with _subscribed_to(fake, payloads[0]) as (tracker, metrics, _):
         stored_before = _counted(metrics, "sal_kv_events_total", kind="stored_blocks")
         fake.live(1, payloads[1], lose=True)
         fake.live(2, payloads[2], lose=True)
@@ -371,9 +384,6 @@ async def test_lost_messages_are_asked_for_again_and_applied_in_order(tmp_path: 
         assert _counted(metrics, "sal_kv_events_total", kind="replayed_messages") == 3
         stored = _counted(metrics, "sal_kv_events_total", kind="stored_blocks")
         assert stored == stored_before + 3
-    finally:
-        await subscribers.stop()
-        fake.close()
 
 
 async def test_a_replay_that_never_ends_is_abandoned_and_the_live_messages_go_on(
@@ -385,17 +395,7 @@ async def test_a_replay_that_never_ends_is_abandoned_and_the_live_messages_go_on
     monkeypatch.setattr(kv_subscriber, "REPLAY_TIMEOUT_S", 0.5)
     fake = _FakePublisher(tmp_path)
     payloads = _chain(4)
-    tracker = _tracker()
-    metrics = GatewayMetrics("test")
-    subscribers = KvEventSubscribers(tracker, metrics)
-    try:
-        subscribers.add("m", "http://a", fake.endpoints)
-
-        def first_arrived() -> bool:
-            fake.live(0, payloads[0])
-            return tracker.indexed_blocks("m", "http://a") == 1
-
-        await _until(first_arrived)
+    async with _subscribed_to(fake, payloads[0]) as (tracker, metrics, _):
         fake.live(1, payloads[1], lose=True)
         fake.live(2, payloads[2])  # a gap: waits for a replay that never ends
         await _until(lambda: fake.replay_request() is not None)
@@ -414,6 +414,3 @@ async def test_a_replay_that_never_ends_is_abandoned_and_the_live_messages_go_on
         await asyncio.sleep(0.2)
         assert fake.replay_request() is None
         assert tracker.indexed_blocks("m", "http://a") == 1
-    finally:
-        await subscribers.stop()
-        fake.close()
