@@ -677,6 +677,10 @@ def create_app(
         rt.metrics.refresh(rt.table, rt.clock(), {m: b.beta for m, b in rt.betas.items()})
         if rt.peers is not None:
             rt.metrics.peers_heard.set(rt.peers.heard())
+            if rt.prefix is not None:
+                rt.metrics.prefix_told_holds.labels("peers").set(rt.peers.held_requests())
+        if rt.prefix_share is not None:
+            rt.metrics.prefix_told_holds.labels("workers").set(rt.prefix_share.held_requests)
         return Response(
             rt.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

@@ -361,6 +361,14 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.prefix_told_holds = Gauge(
+            "sal_prefix_told_holds",
+            "Requests of other workers of this host (listen.share_prefix_index) or of other "
+            "gateways (peers.share_prefix_blocks) whose prompt blocks this process's prefix "
+            "index holds, not ended as far as they told, by source: workers, peers",
+            ["source"],
+            registry=r,
+        )
         self.fleet_reuse_kv_blocks = Gauge(
             "sal_prefix_fleet_reuse_kv_blocks",
             "The tracked fleet's KV in blocks (every backend with prefix caching on, summed): "

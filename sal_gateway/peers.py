@@ -260,6 +260,11 @@ class PeerNetwork(asyncio.DatagramProtocol):
         cutoff = self._clock() - self.config.expire_s
         return sum(1 for p in self._peers.values() if p.heard_s >= cutoff)
 
+    def held_requests(self) -> int:
+        """Other gateways' requests whose prompt blocks this gateway's index holds now (not
+        ended, as far as they told)."""
+        return sum(len(p.holds) for p in self._peers.values())
+
     # --- the PeerCounts side (sal_gateway.state) -----------------------------------------
 
     def slot(self, model: str, url: str) -> PeerSlot:

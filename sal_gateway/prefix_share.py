@@ -191,6 +191,8 @@ class PrefixShare:
         self._links: dict[int, asyncio.StreamWriter] = {}
         self._incoming: set[asyncio.StreamWriter] = set()
         self._seq = 0
+        self.held_requests = 0
+        """Other workers' requests whose prompt blocks this worker's index holds now."""
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -294,9 +296,11 @@ class PrefixShare:
                         and self._on_told(model, url, keys, True)
                     ):
                         holds[seq] = (model, url, keys)
+                        self.held_requests += 1
                 else:
                     routed = holds.pop(seq, None)
                     if routed is not None:
+                        self.held_requests -= 1
                         self._on_told(*routed, False)
                 applied += 1
                 if applied % MESSAGES_PER_TURN == 0:
@@ -304,6 +308,7 @@ class PrefixShare:
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         finally:
+            self.held_requests -= len(holds)
             for model, url, keys in holds.values():
                 self._on_told(model, url, keys, False)
             self._incoming.discard(writer)

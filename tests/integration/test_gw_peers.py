@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -356,18 +357,21 @@ def test_a_conversation_follows_its_prefix_whichever_gateway_its_turns_reach(
         for url in backends:  # B polled both (its index tracks only polled replicas)
             _queue_seen(second, url, 50_000 if url == a.url else 0)
         body = {"model": "tiny", "prompt": turn1, "max_tokens": 2}
-        resp = httpx.post(f"{first}/v1/completions", json=body, timeout=30)
+        b.fault(first_byte_delay_s=3.0)  # turn 1 runs a while: B holds its blocks meanwhile
+
+        def held_for_peers() -> float | None:
+            return metric(scrape_metrics(second), "sal_prefix_told_holds", source="peers")
+
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(httpx.post, f"{first}/v1/completions", json=body, timeout=30)
+            if share:  # the blocks datagrams are on their way: wait for them, not a fixed time
+                wait_until(lambda: held_for_peers() == 1.0, 10, "B never held A's request")
+            resp = turn.result()
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-fake-backend"] == "b"
-        if share:  # the blocks datagrams are on their way: wait for them, not a fixed time
-            wait_until(
-                lambda: (
-                    metric(scrape_metrics(second), "sal_peer_datagrams_total", result="blocks")
-                    is not None
-                ),
-                10,
-                "gateway B never indexed gateway A's blocks",
-            )
+        b.fault(first_byte_delay_s=0.0)
+        # Ended: released (told by A's end datagram); counts only: never held.
+        wait_until(lambda: held_for_peers() == 0.0, 10, "B still holds A's ended request")
         a.fault(stats={"queued_prefill_tokens": 0})
         for url in backends:
             _queue_seen(second, url, 0)

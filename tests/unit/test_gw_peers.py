@@ -525,6 +525,7 @@ async def test_routed_blocks_are_held_at_the_other_gateway_until_the_request_end
         runs = [tuple(keys[:170]), tuple(keys[170:340]), tuple(keys[340:])]
         await _until(lambda: len(index.holding()) == 3, 1.0)
         assert index.holding() == {(R1, run): 1 for run in runs}
+        assert (a.held_requests(), b.held_requests()) == (0, 1)  # one request, three runs
         assert pair.results[1]["blocks"] == 3
         await _until(lambda: pair.results[0]["own"] >= 3, 1.0)  # its own came back, dropped
         assert a.heard() == 0  # its own blocks do not make a peer
@@ -532,6 +533,7 @@ async def test_routed_blocks_are_held_at_the_other_gateway_until_the_request_end
         ended()
         ended()  # twice: nothing more goes out
         await _until(lambda: not index.holding(), 1.0)
+        assert b.held_requests() == 0
         assert sent[1:] == [(2, 0)]
         assert [c for c in index.calls if not c[2]] == [(R1, run, False) for run in runs]
 
@@ -614,12 +616,14 @@ async def test_a_silent_or_restarted_gateways_holds_are_released() -> None:
             first.sendto(encode_blocks(SECRET, _routed(1, 1, [11], sender=7, key=key1)), to_b)
             second.sendto(encode_blocks(SECRET, _routed(1, 1, [22], sender=8, key=key1)), to_b)
             await _until(lambda: len(index.holding()) == 2, 1.0)
+            assert b.held_requests() == 2
             # Sender 7 restarts as sender 17 on the same socket address: what it held goes.
             first.sendto(encode_blocks(SECRET, PeerBlocks(WATERMARK, 17, 17, 1, 0, 1)), to_b)
             await _until(lambda: index.holding() == {(R1, (22,)): 1}, 1.0)
             # Sender 8 goes silent: past expire_s (0.5 s here) the heartbeat forgets it.
             clock[0] += 0.6
             await _until(lambda: not index.holding(), 1.0)
+            assert b.held_requests() == 0
 
 
 async def test_blocks_from_a_stranger_or_the_same_host_do_not_count() -> None:

@@ -245,14 +245,27 @@ def test_an_ended_message_releases_only_what_its_own_routed_message_held(tmp_pat
                 encode("m", A, [1, 2, 3], True, 5),
                 encode("m", A, (), False, 6),  # not routed on this connection: ignored
                 encode("m", A, [1, 2, 3], True, 5),  # a repeat of 5: held once
-                encode("m", A, (), False, 5),
             ):
                 writer.write(len(message).to_bytes(4, "big") + message)
             await writer.drain()
+            await _wait(lambda: len(told) == 1)
+            await asyncio.sleep(0.1)  # the ignored end and the repeat read too
+            assert w1.held_requests == 1
+            message = encode("m", A, (), False, 5)
+            writer.write(len(message).to_bytes(4, "big") + message)
+            await writer.drain()
             await _wait(lambda: len(told) == 2)
+            assert w1.held_requests == 0
+            # A worker that goes away while its request runs: released, and no longer counted.
+            message = encode("m", A, [4], True, 7)
+            writer.write(len(message).to_bytes(4, "big") + message)
+            await writer.drain()
+            await _wait(lambda: w1.held_requests == 1)
             writer.close()
+            await _wait(lambda: len(told) == 4)
+            assert w1.held_requests == 0
         finally:
             await w1.aclose()
 
     asyncio.run(exchange())
-    assert told == [(A, True), (A, False)]
+    assert told == [(A, True), (A, False), (A, True), (A, False)]
