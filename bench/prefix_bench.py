@@ -497,6 +497,13 @@ WORKER_SETUPS: dict[str, dict[str, Any]] = {
         "peer_prefix_blocks": True,
         "peer_prefix_holds": False,
     },
+    "8 hosts, told, 5 % lost": {
+        "gateways": 8,
+        "shared_accounting": False,
+        "gossip_interval_s": 0.0,
+        "peer_prefix_blocks": True,
+        "peer_datagram_loss": 0.05,
+    },
 }
 """The gateway setups of ``--only workers``: workers share their between-poll accounting
 (``listen.share_accounting``) and get connections at random (the kernel spreads a chat
@@ -504,7 +511,9 @@ application's pooled connections over them); "told": ``listen.share_prefix_index
 "hosts": gateways on separate hosts, told each other's counts by ``peers`` (1 ms away);
 "hosts, told": and the blocks of the prompts they route and their ends
 (``peers.share_prefix_blocks``), which they hold until the end; "told unheld": without
-the ends, indexed unheld (a what-if)."""
+the ends, indexed unheld (a what-if); "5 % lost": told and held over a network that loses
+5 % of the datagrams (a lost run cuts what a gateway learns of the prompt; a lost end waits
+for the sender's watermark)."""
 
 
 def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
@@ -529,12 +538,14 @@ def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
             ),
             enable_prefix_caching=True,
         )
-        rows.append(
-            row_of(
-                result, scenario=sc.name, router=router, engine="fcfs", seed=seed,
-                source=source, setup=setup,
-            )
+        row = row_of(
+            result, scenario=sc.name, router=router, engine="fcfs", seed=seed,
+            source=source, setup=setup,
         )  # fmt: skip
+        if extra.get("peer_datagram_loss"):
+            row["peer_lost_ends"] = result.peer_lost_ends
+            row["peer_watermark_wait_s"] = result.peer_watermark_wait_s
+        rows.append(row)
     return rows
 
 

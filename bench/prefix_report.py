@@ -448,7 +448,10 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
         "reached at random: `peers` tells the others each gateway's counts 1 ms after every "
         'change and, in "8 hosts, told", the blocks of every prompt it routes and its end '
         "(`peers.share_prefix_blocks`, on by default), held in between, 1 ms later; "
-        '"told unheld" (a what-if): the blocks indexed unheld, the ends not told. '
+        '"told unheld" (a what-if): the blocks indexed unheld, the ends not told; '
+        '"5 % lost": told and held, over a network that loses 5 % of the datagrams (a '
+        "lost run cuts what a gateway learns of the prompt; a lost end holds the blocks "
+        "until the sender's watermark, its oldest request not ended, passes it). "
         "`oracle` is SAL on the engines' true cache contents, what `kv_events` gives every "
         "worker. `sal-bench prefix --only workers`; "
         f"{_runs(rows)}; fcfs engines. Ratios are paired per window "
@@ -503,7 +506,45 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
                     f"| {_setup_ratios(approx, '1 gateway', told, 'ttft_p50_s')} "
                     f"| {_setup_ratios(approx, '1 gateway', told, 'ttft_p95_s')} |"
                 )
+        lines += _loss_lines(mine)
         lines.append("")
+    return lines
+
+
+LOSSY = "8 hosts, told, 5 % lost"
+
+
+def _spread_text(values: Sequence[float], fmt: str) -> str:
+    """``median (min-max)`` of `values` (`spread_of`), "-" for none."""
+    r = spread_of(values)
+    if r.n == 0:
+        return "-"
+    return f"{fmt.format(r.median)} ({fmt.format(r.low)}-{fmt.format(r.high)})"
+
+
+def _loss_lines(rows: Sequence[Row]) -> list[str]:
+    """Per router, the lossy network's setup against the lossless one (paired per window),
+    and how many ends were lost and how long their blocks stayed held past the end."""
+    lossy = [r for r in rows if r["setup"] == LOSSY]
+    if not lossy:
+        return []
+    lines = [
+        "",
+        "| router | p50: 5 % lost / lossless | p95: 5 % lost / lossless | ends lost per window "
+        "| extra hold of a lost end (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for router in dict.fromkeys(r["router"] for r in lossy):
+        approx = [r for r in rows if r["router"] == router and r["source"] == "approximate"]
+        mine = [r for r in lossy if r["router"] == router]
+        waits = [r["peer_watermark_wait_s"] for r in mine if r["peer_watermark_wait_s"]]
+        lost = [float(r["peer_lost_ends"]) for r in mine]
+        lines.append(
+            f"| {router} "
+            f"| {_setup_ratios(approx, '8 hosts, told', LOSSY, 'ttft_p50_s')} "
+            f"| {_setup_ratios(approx, '8 hosts, told', LOSSY, 'ttft_p95_s')} "
+            f"| {_spread_text(lost, '{:.0f}')} | {_spread_text(waits, '{:.2f}')} |"
+        )
     return lines
 
 

@@ -68,6 +68,12 @@ from sal_core.policies import (
 )
 from sal_core.stats import ReplicaStats
 
+PEER_KEYS_PER_DATAGRAM = 170
+"""Block keys one ``peers`` datagram carries (`sal_gateway.peer_wire.BLOCK_KEYS_PER_DATAGRAM`;
+a test keeps the two equal)."""
+PEER_MAX_DATAGRAMS = 8
+"""Datagrams one request's prompt is told in (`sal_gateway.peers.MAX_BLOCK_DATAGRAMS`)."""
+
 
 class SimulationError(RuntimeError):
     """The simulation cannot go on (an engine that makes no progress, a bad config)."""
@@ -147,6 +153,15 @@ class RouterConfig:
     """With `peer_prefix_blocks`: the told blocks are held until the request's end arrives
     (the gateway's rule). False: indexed unheld and nobody tells the end (a what-if: the
     first version of ``peers.share_prefix_blocks``)."""
+    peer_datagram_loss: float = 0.0
+    """With `peer_prefix_blocks`: the chance that each datagram to each other gateway is
+    lost (UDP). A prompt goes out as runs of `PEER_KEYS_PER_DATAGRAM` keys, at most
+    `PEER_MAX_DATAGRAMS` of them: a gateway learns the runs before the first it lost (a
+    prefix match cannot reach past a missing run) and holds those. A lost end is made good
+    by the sender's watermark (its oldest request not ended, on every datagram and
+    heartbeat): released once every earlier request of the sender has ended, `gossip_delay_s`
+    later (the heartbeat's up to 0.1 s is not added). Loss of the watermark itself is not
+    modelled (the next datagram or heartbeat carries it again)."""
     cache_source: str = "none"
     """What the router knows of each replica's prefix cache (`engine_sim.router_cache`):
     ``"none"``, ``"approximate"`` (its own index of routed blocks; each gateway its own) or
@@ -217,6 +232,10 @@ class RouterConfig:
             )
         if self.gossip_interval_s is not None and self.shared_accounting:
             raise SimulationError("gossip_interval_s and shared_accounting exclude each other")
+        if not 0.0 <= self.peer_datagram_loss < 1.0:
+            raise SimulationError(
+                f"peer_datagram_loss must be in [0, 1), got {self.peer_datagram_loss}"
+            )
 
 
 @dataclass(slots=True)
@@ -237,6 +256,13 @@ class SimResult:
     """Every routing decision, in arrival order."""
     aborted: bool = False
     """Stopped early because the `LateAbort` bound was crossed (the rest is unfinished)."""
+    peer_lost_ends: int = 0
+    """`RouterConfig.peer_datagram_loss`: request ends lost on the way to another gateway."""
+    peer_lost_ends_released: int = 0
+    """Of those, the ones the sender's watermark released before the run ended."""
+    peer_watermark_wait_s: float | None = None
+    """Mean time the blocks of a lost end stayed held past their request's end, until the
+    sender's watermark passed it (None: none was released)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +465,22 @@ class Simulation:
         self._heard_blocks: list[deque[tuple[float, int, list[int], bool | None]]] = [
             deque() for _ in range(cfg.gateways)
         ]
+        # peer_datagram_loss: each gateway numbers its requests; what each other gateway
+        # heard of a request (receiver -> its keys); the sender's requests not ended; and
+        # its ends that were lost, waiting for its watermark to pass them.
+        self._loss_rng = random.Random(f"peer-datagram-loss-{cfg.seed}")
+        self._peer_next = [0] * cfg.gateways
+        self._peer_open: list[set[int]] = [set() for _ in range(cfg.gateways)]
+        self._peer_heard: dict[str, tuple[int, dict[int, list[int]]]] = {}
+        self._peer_lost_ends: list[list[tuple[int, int, int, list[int], float]]] = [
+            [] for _ in range(cfg.gateways)
+        ]
+        self.peer_lost_ends = 0
+        """Ends lost on the way (`peer_datagram_loss`)."""
+        self.peer_watermark_releases = 0
+        """Of those, the ones a watermark released before the run ended."""
+        self.peer_watermark_wait_s = 0.0
+        """Summed over those: how long the blocks stayed held past their request's end."""
         # The paper's Eq. 2 counts every prompt token on every replica, also between polls.
         self._account_cache = self._caches[0].enabled and self._policies[0].name != "sal_paper"
         self._keys: dict[str, list[int]] = {}
@@ -537,6 +579,13 @@ class Simulation:
             final_beta=self._betas[0].beta,
             decisions=self._decisions,
             aborted=aborted,
+            peer_lost_ends=self.peer_lost_ends,
+            peer_lost_ends_released=self.peer_watermark_releases,
+            peer_watermark_wait_s=(
+                self.peer_watermark_wait_s / self.peer_watermark_releases
+                if self.peer_watermark_releases
+                else None
+            ),
         )
 
     def _doomed(self, now_s: float, arrived: int) -> bool:
@@ -664,11 +713,7 @@ class Simulation:
                     if other is not cache:
                         other.on_told(replica, keys)
             if self._router_cfg.peer_prefix_blocks:
-                heard_at_s = now_s + self._router_cfg.gossip_delay_s
-                held = True if self._router_cfg.peer_prefix_holds else None
-                for g, heard_blocks in enumerate(self._heard_blocks):
-                    if g != gateway:
-                        heard_blocks.append((heard_at_s, replica, keys, held))
+                self._tell_peers(gateway, request_id, replica, keys, now_s)
             self._keys[request_id] = keys
             self._predicted[request_id] = holds[replica].cached_tokens
         self._routed[replica] += 1
@@ -677,6 +722,63 @@ class Simulation:
         if not self._busy[replica]:
             self._busy[replica] = True
             self._push(now_s, _PRIO_WAKE, replica)
+
+    def _tell_peers(
+        self, gateway: int, request_id: str, replica: int, keys: list[int], now_s: float
+    ) -> None:
+        """``peers.share_prefix_blocks``: the other gateways hear `keys` routed to `replica`
+        `gossip_delay_s` later, each what its datagrams that arrived carry."""
+        cfg = self._router_cfg
+        told = keys[: PEER_KEYS_PER_DATAGRAM * PEER_MAX_DATAGRAMS]
+        heard_at_s = now_s + cfg.gossip_delay_s
+        held = True if cfg.peer_prefix_holds else None
+        number = self._peer_next[gateway]
+        self._peer_next[gateway] += 1
+        self._peer_open[gateway].add(number)
+        heard_by: dict[int, list[int]] = {}
+        for g, heard_blocks in enumerate(self._heard_blocks):
+            if g == gateway:
+                continue
+            heard = told
+            if cfg.peer_datagram_loss > 0:
+                for start in range(0, len(told), PEER_KEYS_PER_DATAGRAM):
+                    if self._loss_rng.random() < cfg.peer_datagram_loss:
+                        heard = told[:start]
+                        break
+            if heard:
+                heard_by[g] = heard
+                heard_blocks.append((heard_at_s, replica, heard, held))
+        self._peer_heard[request_id] = (number, heard_by)
+
+    def _tell_peers_ended(self, gateway: int, request_id: str, replica: int, now_s: float) -> None:
+        """The request ended: each other gateway that holds its blocks hears so, or (its end
+        lost) once the sender's watermark passes the request. Unheld (`peer_prefix_holds`
+        False): nobody tells."""
+        cfg = self._router_cfg
+        heard_at_s = now_s + cfg.gossip_delay_s
+        number, heard_by = self._peer_heard.pop(request_id)
+        lost = self._peer_lost_ends[gateway]
+        for g, keys in heard_by.items() if cfg.peer_prefix_holds else ():
+            if cfg.peer_datagram_loss > 0 and self._loss_rng.random() < cfg.peer_datagram_loss:
+                lost.append((number, g, replica, keys, now_s))
+                self.peer_lost_ends += 1
+            else:
+                self._heard_blocks[g].append((heard_at_s, replica, keys, False))
+        open_numbers = self._peer_open[gateway]
+        open_numbers.discard(number)
+        if not lost:
+            return
+        watermark = min(open_numbers) if open_numbers else self._peer_next[gateway]
+        still = []
+        for entry in lost:
+            if entry[0] < watermark:
+                _, g, lost_replica, keys, lost_s = entry
+                self._heard_blocks[g].append((heard_at_s, lost_replica, keys, False))
+                self.peer_watermark_releases += 1
+                self.peer_watermark_wait_s += now_s - lost_s
+            else:
+                still.append(entry)
+        self._peer_lost_ends[gateway] = still
 
     def _counts_changed(self, gateway: int, now_s: float) -> None:
         """Remember `gateway`'s counts as of `now_s` for the others (gossip only)."""
@@ -751,11 +853,8 @@ class Simulation:
                 told = self._caches if self._router_cfg.share_prefix_index else ()
                 for cache in told or (self._caches[gateway],):
                     cache.on_finish(replica, keys)
-                if self._router_cfg.peer_prefix_blocks and self._router_cfg.peer_prefix_holds:
-                    heard_at_s = now_s + self._router_cfg.gossip_delay_s
-                    for g, heard_blocks in enumerate(self._heard_blocks):
-                        if g != gateway:
-                            heard_blocks.append((heard_at_s, replica, keys, False))
+                if self._router_cfg.peer_prefix_blocks:
+                    self._tell_peers_ended(gateway, request_id, replica, now_s)
             self._betas[gateway].observe(req.prompt_tokens, req.output_tokens)
             self._outcomes.append(
                 RequestOutcome(

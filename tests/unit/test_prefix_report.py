@@ -271,3 +271,26 @@ def test_the_workers_section_pairs_told_workers_against_alone_and_one_gateway(
     assert "| sal | 8 hosts | 2.00x [2.00-2.00], better on 3 of 3 (win) " in text
     assert "| sal | approximate | 8 hosts, told | 1.00 (0.90-1.20) |" in text
     assert "| sal | 8 workers |" not in text  # not measured: no row
+    assert "5 % lost / lossless" not in text  # not measured: no table
+
+
+def test_the_workers_section_pairs_a_lossy_network_against_the_lossless_one(
+    tmp_path: Path,
+) -> None:
+    rows = []
+    for seed, (lost, wait) in enumerate(((10, 0.5), (30, 0.25), (20, None))):
+        for setup, p50 in (("8 hosts, told", 1.0), ("8 hosts, told, 5 % lost", 1.05)):
+            row = _row("sal", seed, p50, source="approximate", setup=setup, hit_rate=0.7)
+            if "lost" in setup:
+                row.update(peer_lost_ends=lost, peer_watermark_wait_s=wait)
+            rows.append(row)
+    doc = _doc([], "reuse survives")
+    doc["results"]["workers"] = rows
+    write_report(doc, tmp_path / "prefix.md")
+    text = (tmp_path / "prefix.md").read_text()
+    # 5 % lost is 1.05x slower on every window; 20 (10-30) ends lost; a window whose lost
+    # ends none was released (None) does not count in the extra hold.
+    assert (
+        "| sal | 1.05x [1.05-1.05], better on 3 of 3 (win) "
+        "| 1.05x [1.05-1.05], better on 3 of 3 (win) | 20 (10-30) | 0.38 (0.25-0.50) |"
+    ) in text

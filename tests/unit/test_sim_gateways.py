@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from bench.gateways import unseen_share
-from engine_sim.simulator import RouterConfig, SimulationError, simulate
+from engine_sim.simulator import RouterConfig, SimResult, SimulationError, simulate
 from engine_sim.trace import TraceRequest, gamma_arrivals
 
 
@@ -227,3 +227,45 @@ def test_gateways_on_other_hosts_told_each_others_blocks_keep_the_reuse_one_keep
     told = hit_rate(**hosts, peer_prefix_blocks=True)
     assert alone < one - 0.15
     assert told > one - 0.05
+
+
+def test_lost_datagrams_cost_some_reuse_and_every_lost_end_is_released() -> None:
+    """``peers`` over a lossy network (20 % of datagrams lost, far worse than a data centre):
+    a gateway that missed a prompt's run knows less of it, and one that missed its end holds
+    the blocks until the sender's watermark (oldest request not ended) passes it; every
+    lost end is released by the time the run's requests have ended, and most of the reuse
+    survives."""
+    from engine_sim.simulator import PEER_KEYS_PER_DATAGRAM, PEER_MAX_DATAGRAMS
+    from sal_gateway.peer_wire import BLOCK_KEYS_PER_DATAGRAM
+    from sal_gateway.peers import MAX_BLOCK_DATAGRAMS
+
+    assert (PEER_KEYS_PER_DATAGRAM, PEER_MAX_DATAGRAMS) == (
+        BLOCK_KEYS_PER_DATAGRAM,
+        MAX_BLOCK_DATAGRAMS,
+    )
+    reqs = _chat()
+    hosts = {"gateways": 4, "gateway_split": "random", "gossip_interval_s": 0.0}
+
+    def run(loss: float) -> SimResult:
+        router = RouterConfig(
+            "sal",
+            seed=1,
+            cache_source="approximate",
+            peer_prefix_blocks=True,
+            peer_datagram_loss=loss,
+            **hosts,  # type: ignore[arg-type]
+        )
+        return simulate(reqs, replicas=4, router=router, enable_prefix_caching=True)
+
+    clean, lossy = run(0.0), run(0.2)
+    alone = _hit_rate(reqs, **hosts)
+    assert clean.peer_lost_ends == 0
+    assert lossy.unfinished == 0
+    assert lossy.peer_lost_ends > 50
+    assert lossy.peer_lost_ends_released == lossy.peer_lost_ends
+    assert lossy.peer_watermark_wait_s is not None
+    assert lossy.peer_watermark_wait_s > 0
+    assert alone < lossy.summary.hit_rate <= clean.summary.hit_rate + 0.02
+    assert lossy.summary.hit_rate > clean.summary.hit_rate - 0.1
+    with pytest.raises(SimulationError, match="peer_datagram_loss"):
+        RouterConfig(peer_datagram_loss=1.0)
