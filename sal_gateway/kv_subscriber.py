@@ -20,13 +20,17 @@ Replay (``routing.kv_events_replay_port`` or ``models[].kv_events_replay_endpoin
 ``replay_endpoint`` of the replica's ``--kv-events-config``): vLLM's publisher keeps its last
 ``buffer_steps`` messages (default 10,000) and sends them again to a DEALER that asks with a
 start sequence number (8 bytes big-endian), each as ``(b"", topic, seq, payload)``, then
-``(b"", b"", -1, b"")``. The subscriber asks twice: once the gateway tracks the backend
-(`tracked`: its block size is known, so the blocks can be keyed), from sequence 0, so that a
+``(b"", b"", -1, b"")``. The subscriber asks in two cases. The *catch-up*: once the gateway
+keys the backend's blocks (`tracked`: its block size is known), from sequence 0, so that a
 gateway that starts or restarts after its replicas learns what they cached since (within
-their buffer); and on a gap, from the first message lost. While a replay runs, the live
-messages wait (at most `RCVHWM`) and are then applied after it, those the replay already
-carried skipped. A replay that sends no end within `REPLAY_TIMEOUT_S`, or more than
-`MAX_REPLAY_MESSAGES`, is abandoned (``replay_timeout``; no replay for a gap then for
+their buffer); at most `MAX_CATCH_UPS` at a time (a fleet's buffers are large), the rest in
+turn, live messages applied meanwhile and carried again by the catch-up (the latest message
+decides each block, as in the engine). And on a *gap*, from the first message lost. While a
+replay runs, the live messages wait (at most `RCVHWM`) and are applied after it, in order,
+those the replay already carried skipped. Replayed messages are read only while the main
+loop's backlog has room (`MAX_BACKLOG`; ZMQ holds the rest, `REPLAY_RCVHWM`), so a replay
+is never dropped as ``backlog``. A replay that sends nothing for `REPLAY_TIMEOUT_S`, or more
+than `MAX_REPLAY_MESSAGES`, is abandoned (``replay_timeout``; no replay for a gap then for
 `REPLAY_COOLDOWN_S`), its socket closed, and the waiting messages applied (the loss counted
 as a ``gap``). A gap a replay could not fill (the buffer had moved on) is counted, never
 asked for again. Replayed messages are counted in ``sal_kv_events_total`` as
@@ -66,8 +70,12 @@ POLL_TIMEOUT_MS = 100
 READ_BURST = 256
 """Messages read from one socket before the thread turns to the others."""
 REPLAY_TIMEOUT_S = 10.0
-"""Longest a replay may take to end (vLLM's publisher answers between engine steps, within
-0.1 s when idle)."""
+"""Longest a replay may send nothing (vLLM's publisher answers between engine steps, within
+0.1 s when idle; the subscriber reads on while the main loop keeps up)."""
+MAX_CATCH_UPS = 2
+"""Catch-up replays (whole buffers) running at once; the others wait their turn."""
+BACKLOG_WAIT_S = 0.005
+"""The thread's pause while a replay waits for the main loop's backlog to drain."""
 REPLAY_COOLDOWN_S = 30.0
 """After a replay failed, gaps are only counted for this long."""
 MAX_REPLAY_MESSAGES = 20_000
@@ -105,7 +113,9 @@ class _Source:
     waiting: deque[list[bytes]] = field(default_factory=deque)
     """Live messages received while a replay runs, applied after it."""
     caught_up: bool = False
-    """The catch-up replay (from sequence 0) was asked for."""
+    """The catch-up replay (from sequence 0) was started."""
+    catching_up: bool = False
+    """The running replay is the catch-up."""
     replay_after_s: float = 0.0
     """No replay for a gap before this (monotonic; after one failed)."""
 
@@ -218,9 +228,11 @@ class KvEventSubscribers:
         ctx = self._zctx = zmq.Context()
         poller = self._poller
         sources: dict[Key, _Source] = {}
+        catch_ups: deque[Key] = deque()
         try:
             while not self._stop.is_set():
-                self._apply_commands(ctx, sources)
+                self._apply_commands(ctx, sources, catch_ups)
+                self._start_catch_ups(sources, catch_ups)
                 try:
                     ready = dict(poller.poll(POLL_TIMEOUT_MS)) if sources else {}
                 except zmq.ZMQError:
@@ -236,9 +248,15 @@ class KvEventSubscribers:
                     elif sock is source.socket:
                         self._read(source)
                 now_s = time.monotonic()
+                held_back = False
                 for source in sources.values():
                     if source.replay is not None and now_s > source.replay_deadline_s:
-                        self._replay_failed(source, "sent no end in time")
+                        self._replay_failed(source, "sent nothing in time")
+                    if source.replay is None and source.waiting:
+                        self._apply_waiting(source)
+                    held_back |= source.replay is not None or bool(source.waiting)
+                if held_back and len(self._ready) >= MAX_BACKLOG:
+                    self._stop.wait(BACKLOG_WAIT_S)  # the main loop catches up first
         except Exception:  # the thread must not die silently; the loop keeps routing
             logger.exception("the KV-event subscriber thread failed")
         finally:
@@ -248,8 +266,33 @@ class KvEventSubscribers:
                     source.replay.close(linger=0)
             ctx.term()
 
+    def _start_catch_ups(self, sources: dict[Key, _Source], catch_ups: deque[Key]) -> None:
+        """Start waiting catch-up replays while fewer than `MAX_CATCH_UPS` run."""
+        running = sum(1 for s in sources.values() if s.replay is not None and s.catching_up)
+        for _ in range(len(catch_ups)):
+            if running >= MAX_CATCH_UPS:
+                return
+            key = catch_ups.popleft()
+            source = sources.get(key)
+            if source is None or source.caught_up:
+                continue  # gone, or done
+            if source.replay is not None or source.waiting:
+                catch_ups.append(key)  # a gap's replay runs: after it
+                continue
+            source.caught_up = True
+            # Everything from 0 again, in order, those applied already too (the blocks they
+            # stored could not be keyed before): the latest message decides each block, as
+            # it did in the engine.
+            source.last_seq = None
+            if self._start_replay(source, 0):
+                source.catching_up = True
+                running += 1
+
     def _apply_commands(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], sources: dict[Key, _Source]
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        sources: dict[Key, _Source],
+        catch_ups: deque[Key],
     ) -> None:
         while True:
             try:
@@ -257,20 +300,12 @@ class KvEventSubscribers:
             except queue.Empty:
                 return
             if op == "catch_up":
-                source = sources.get(key)
-                if source is not None and not source.caught_up:
-                    source.caught_up = True
-                    if source.replay is None:
-                        # Everything from 0 again, in order, those applied already too (the
-                        # blocks they stored could not be keyed before): the latest message
-                        # decides each block, as it did in the engine.
-                        source.last_seq = None
-                    self._start_replay(source, 0)
+                catch_ups.append(key)
                 continue
             old = sources.pop(key, None)
             if old is not None:
                 if old.replay is not None:
-                    self._end_replay(old, apply_waiting=False)
+                    self._end_replay(old, keep_waiting=False)
                 self._poller.unregister(old.socket)
                 self._by_socket.pop(old.socket, None)
                 old.socket.close(linger=0)
@@ -312,7 +347,7 @@ class KvEventSubscribers:
             frames = self._recv(source.socket, source)
             if frames is None:
                 return
-            if source.replay is not None:  # applied once the replay ends
+            if source.replay is not None or source.waiting:  # after those before it
                 if len(source.waiting) >= RCVHWM:
                     self._drop(source, "backlog")
                 else:
@@ -333,10 +368,13 @@ class KvEventSubscribers:
     def _read_replay(self, source: _Source) -> None:
         replayed = self._metrics.kv_events.labels(*source.key, "replayed_messages")
         for _ in range(READ_BURST):
+            if len(self._ready) >= MAX_BACKLOG:
+                return  # ZMQ holds the rest until the main loop catches up
             sock = source.replay
             frames = None if sock is None else self._recv(sock, source)
             if frames is None:
                 return
+            source.replay_deadline_s = time.monotonic() + REPLAY_TIMEOUT_S
             # (b"", topic, seq, payload); the end: (b"", b"", -1, b"").
             if len(frames) != 4 or frames[0]:
                 self._drop(source, "garbled")
@@ -354,11 +392,12 @@ class KvEventSubscribers:
             replayed.inc()
             self._queue(source, self._translate(source, frames[1:]))
 
-    def _start_replay(self, source: _Source, start: int) -> None:
-        """Ask `source`'s publisher for its buffered messages from sequence `start`."""
+    def _start_replay(self, source: _Source, start: int) -> bool:
+        """Ask `source`'s publisher for its buffered messages from sequence `start`; whether
+        the request went out."""
         endpoint = source.endpoints.replay
         if endpoint is None or source.replay is not None or self._zctx is None:
-            return
+            return False
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 1024)
@@ -370,14 +409,14 @@ class KvEventSubscribers:
         except zmq.ZMQError as exc:
             logger.warning("cannot ask %s for a KV-event replay: %s", endpoint, exc)
             sock.close(linger=0)
-            self._apply_waiting(source)
-            return
+            return False
         source.replay = sock
         source.replayed = 0
         source.replay_deadline_s = time.monotonic() + REPLAY_TIMEOUT_S
         self._by_socket[sock] = source
         self._poller.register(sock, zmq.POLLIN)
         logger.info("asked %s for its KV events from sequence %d", source.key[1], start)
+        return True
 
     def _replay_failed(self, source: _Source, why: str) -> None:
         """Abandon the running replay; ask for none after a gap for `REPLAY_COOLDOWN_S` (a
@@ -387,24 +426,25 @@ class KvEventSubscribers:
         source.replay_after_s = time.monotonic() + REPLAY_COOLDOWN_S
         self._end_replay(source)
 
-    def _end_replay(self, source: _Source, *, apply_waiting: bool = True) -> None:
-        """Close the running replay, then apply the live messages that waited for it."""
+    def _end_replay(self, source: _Source, *, keep_waiting: bool = True) -> None:
+        """Close the running replay; the live messages that waited for it are applied next
+        (`_apply_waiting`, from the thread's loop), or dropped (not `keep_waiting`)."""
         sock = source.replay
         if sock is not None:
             self._poller.unregister(sock)
             self._by_socket.pop(sock, None)
             sock.close(linger=0)
             source.replay = None
-        if apply_waiting:
-            self._apply_waiting(source)
-        else:
+        source.catching_up = False
+        if not keep_waiting:
             source.waiting.clear()
 
     def _apply_waiting(self, source: _Source) -> None:
-        """Apply the live messages that waited, skipping those a replay already carried; a
+        """Apply the live messages that waited for a replay, in order, while the main loop's
+        backlog has room (the rest next time), skipping those the replay already carried; a
         gap left among them is counted, not asked for again."""
         waiting = source.waiting
-        while waiting:
+        while waiting and len(self._ready) < MAX_BACKLOG:
             frames = waiting.popleft()
             seq = seq_of(frames[1]) if len(frames) == 3 else None
             if seq is not None and source.last_seq is not None and 0 <= seq <= source.last_seq:

@@ -282,8 +282,10 @@ class _FakePublisher:
     """A publisher the test drives message by message: PUB for live messages, ROUTER for
     replay requests, answered as vLLM's `ZmqEventPublisher._service_replay` does (or not)."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        self.endpoints = Endpoints(f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/rep.sock")
+    def __init__(self, tmp_path: Path, name: str = "fake") -> None:
+        self.endpoints = Endpoints(
+            f"ipc://{tmp_path}/{name}-pub.sock", f"ipc://{tmp_path}/{name}-rep.sock"
+        )
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.bind(self.endpoints.events)
@@ -291,6 +293,12 @@ class _FakePublisher:
         assert self.endpoints.replay is not None
         self.router.bind(self.endpoints.replay)
         self.sent: dict[int, bytes] = {}
+        self.pending: tuple[bytes, int] | None = None
+
+    def take_request(self) -> bool:
+        """Whether a replay request came (kept in `pending`)."""
+        self.pending = self.replay_request()
+        return self.pending is not None
 
     def live(self, seq: int, payload: bytes, *, lose: bool = False) -> None:
         self.sent[seq] = payload
@@ -320,10 +328,12 @@ class _FakePublisher:
         self.ctx.term()
 
 
-def _chain(n: int) -> list[bytes]:
-    """`n` payloads, each storing one block chained to the one before (block i: hash i+1)."""
+def _chain(n: int, first_token: int = 200) -> list[bytes]:
+    """`n` payloads, each storing one block chained to the one before (block i: hash i+1,
+    tokens from `first_token` on)."""
+    tokens = list(range(first_token, first_token + n * BS))
     return [
-        _payload(_stored([_h(i + 1)], TOKENS[i * BS : (i + 1) * BS], None if i == 0 else _h(i)))
+        _payload(_stored([_h(i + 1)], tokens[i * BS : (i + 1) * BS], None if i == 0 else _h(i)))
         for i in range(n)
     ]
 
@@ -414,3 +424,69 @@ async def test_a_replay_that_never_ends_is_abandoned_and_the_live_messages_go_on
         await asyncio.sleep(0.2)
         assert fake.replay_request() is None
         assert tracker.indexed_blocks("m", "http://a") == 1
+
+
+async def test_a_replay_larger_than_the_backlog_waits_for_the_loop_instead_of_dropping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A catch-up of 300 buffered messages against a main-loop backlog of 8: the thread reads
+    # the replay only as fast as the loop applies it, so nothing is dropped as backlog and
+    # every block is indexed.
+    monkeypatch.setattr(kv_subscriber, "MAX_BACKLOG", 8)
+    fake = _FakePublisher(tmp_path)
+    for seq, payload in enumerate(_chain(300, first_token=5000)):
+        fake.sent[seq] = payload
+    tracker = _tracker()
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    try:
+        subscribers.add("m", "http://a", fake.endpoints)
+        subscribers.tracked("m", "http://a")
+        await _until(fake.take_request)
+        assert fake.pending is not None
+        fake.answer(*fake.pending)
+        await _until(lambda: tracker.indexed_blocks("m", "http://a") == 300)
+        assert _counted(metrics, "sal_kv_events_dropped_total", reason="backlog") == 0
+        assert _counted(metrics, "sal_kv_events_total", kind="replayed_messages") == 300
+    finally:
+        await subscribers.stop()
+        fake.close()
+
+
+async def test_catch_ups_run_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three replicas' buffers, one catch-up at a time: the next replica is asked only once
+    # the one before it has sent its end, and each is caught up in turn.
+    monkeypatch.setattr(kv_subscriber, "MAX_CATCH_UPS", 1)
+    fakes = [_FakePublisher(tmp_path, f"r{i}") for i in range(3)]
+    tracker = PrefixTracker("kv_events")
+    urls = [f"http://r{i}" for i in range(3)]
+    for url in urls:
+        tracker.observe("m", url, replace(default_stats(), prefix_caching=True))
+    metrics = GatewayMetrics("test")
+    subscribers = KvEventSubscribers(tracker, metrics)
+    try:
+        for i, (fake, url) in enumerate(zip(fakes, urls, strict=True)):
+            fake.sent[0] = _chain(1, first_token=7000 + 100 * i)[0]
+            subscribers.add("m", url, fake.endpoints)
+            subscribers.tracked("m", url)
+        answered: list[int] = []
+        deadline = time.monotonic() + 15
+        while len(answered) < 3:
+            assert time.monotonic() < deadline, f"catch-ups stalled after {answered}"
+            asked = [(i, r) for i, f in enumerate(fakes) if (r := f.replay_request()) is not None]
+            assert len(asked) <= 1, asked  # never two at once
+            if asked:
+                i, (client, start) = asked[0]
+                await asyncio.sleep(0.3)  # nobody else asks while this one runs
+                assert all(f.replay_request() is None for f in fakes)
+                fakes[i].answer(client, start)
+                answered.append(i)
+            await asyncio.sleep(0.02)
+        assert sorted(answered) == [0, 1, 2]
+        await _until(lambda: all(tracker.indexed_blocks("m", u) == 1 for u in urls))
+    finally:
+        await subscribers.stop()
+        for fake in fakes:
+            fake.close()
