@@ -171,9 +171,9 @@ def run_gateway_process(
                 shutil.copy(log_path, Path(keep) / f"gateway-{port}.log")
 
 
-def scrape_metrics(base_url: str) -> dict[MetricKey, float]:
+def scrape_metrics(base_url: str, timeout_s: float = 5.0) -> dict[MetricKey, float]:
     """``GET /metrics`` parsed into ``{(sample name, labels): value}``."""
-    text = httpx.get(f"{base_url}/metrics", timeout=5.0).text
+    text = httpx.get(f"{base_url}/metrics", timeout=timeout_s).text
     samples: dict[MetricKey, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -42,6 +42,9 @@ PREMISE_TRIES = 6
 can end before a `/stats` answer shows it running, or before the next request is sent (the
 premise never held; that try says nothing). A clean-clone run saw it end first in 3 tries of
 3 on the vLLM 0.33 pass; each try costs seconds."""
+SCRAPE_TIMEOUT_S = 30.0
+"""A ``/metrics`` read while both replicas generate long answers: on the 2-core box the
+gateway's process gets little CPU then (a clean-clone run timed one out at 5 s)."""
 LORA_ARGS = ("--served-model-name", MODEL, "--enable-lora", "--max-lora-rank", "8")
 RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 RESOLVER_DIR = "resolver"
@@ -87,7 +90,7 @@ def fleet(
 
 def _succeeded(replica: str) -> float:
     """Requests replica `replica`'s engine finished (vLLM's own counter, every reason)."""
-    samples = scrape_metrics(replica)
+    samples = scrape_metrics(replica, SCRAPE_TIMEOUT_S)
     return sum(v for (name, _), v in samples.items() if name == "vllm:request_success_total")
 
 
@@ -117,7 +120,12 @@ def test_adapter_requests_reach_only_the_replica_that_has_it(
     # event: wait for that.
     labels = {"model": MODEL, "adapter": "lora-a"}
     deadline = time.monotonic() + 10
-    while metric(samples := scrape_metrics(url), "sal_adapter_requests_total", **labels) < 5:
+    while (
+        metric(
+            samples := scrape_metrics(url, SCRAPE_TIMEOUT_S), "sal_adapter_requests_total", **labels
+        )
+        < 5
+    ):
         assert time.monotonic() < deadline, "the adapter's requests were not all counted"
         time.sleep(0.2)
     assert metric(samples, "sal_adapter_requests_total", **labels) == 5
@@ -196,7 +204,7 @@ def test_an_adapter_unloaded_from_one_replica_moves_to_the_other(
     # replica 1 serves, running a long request: the gateway passes over replica 1, replica
     # 2 answers 404, and the request goes on to replica 1, where it waits for the slot.
     def retried_from_replica_2() -> float:
-        samples = scrape_metrics(url)
+        samples = scrape_metrics(url, SCRAPE_TIMEOUT_S)
         return metric(samples, "sal_retries_total", model=MODEL, backend=replicas[1])
 
     answer = None
@@ -240,7 +248,7 @@ def test_an_adapters_repeated_prompt_is_predicted_as_vllm_hits_it(
     prompt = "the cache of a request " * 150  # about 750 tokens: 5 full blocks of 128
 
     def counters() -> tuple[float, float]:
-        samples = scrape_metrics(url)
+        samples = scrape_metrics(url, SCRAPE_TIMEOUT_S)
         return (
             metric(samples, "sal_prefix_predicted_hit_tokens_total", model=MODEL, backend=holder),
             metric(samples, "sal_prefix_engine_hit_tokens_total", model=MODEL, backend=holder),
@@ -299,7 +307,7 @@ def _load_on_both(url: str, replicas: list[str], adapters: Path, names: tuple[st
 
 def _slot_counters(url: str, replicas: list[str], outcome: str) -> tuple[float, list[float]]:
     """The gateway's LoRA slot decisions of `outcome`, and its routing decisions per replica."""
-    samples = scrape_metrics(url)
+    samples = scrape_metrics(url, SCRAPE_TIMEOUT_S)
     decided = metric(samples, "sal_lora_slot_decisions_total", model=MODEL, outcome=outcome)
     routed = [
         metric(samples, "sal_routing_decisions_total", model=MODEL, backend=r) for r in replicas
@@ -310,7 +318,7 @@ def _slot_counters(url: str, replicas: list[str], outcome: str) -> tuple[float, 
 def _gateway_sees_held(url: str, replica: str) -> bool:
     """Whether the gateway counts `replica`'s one LoRA slot as held (its own view, which a
     slow poll of a busy replica can leave behind the replica's /stats for a while)."""
-    samples = scrape_metrics(url)
+    samples = scrape_metrics(url, SCRAPE_TIMEOUT_S)
     return metric(samples, "sal_backend_lora_slots_used", model=MODEL, backend=replica) == 1
 
 
@@ -400,7 +408,7 @@ def test_an_adapter_joins_the_replica_already_running_it(
     def seen_by_gateway(holder: str) -> tuple[float, list[float], bool]:
         """The affinity decisions, the routing decisions per replica, and whether the
         gateway counts the other replica eligible with its slot free (one scrape)."""
-        samples = scrape_metrics(url)
+        samples = scrape_metrics(url, SCRAPE_TIMEOUT_S)
         other = replicas[1 - replicas.index(holder)]
         free = (
             metric(samples, "sal_backend_healthy", model=MODEL, backend=other) == 1
