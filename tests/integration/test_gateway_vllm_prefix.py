@@ -49,8 +49,9 @@ DEADLINE_S = 60.0
 
 
 def _replay_endpoint(endpoint: str) -> str:
-    """The replay socket beside a replica's event publisher at `endpoint`."""
-    return endpoint.replace("/kv-", "/replay-")
+    """The replay socket beside a replica's event publisher at `endpoint` (same folder)."""
+    folder, name = endpoint.rsplit("/", 1)
+    return f"{folder}/replay-{name}"
 
 
 def _replica_args(endpoint: str) -> tuple[str, ...]:
