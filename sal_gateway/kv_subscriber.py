@@ -249,13 +249,17 @@ class KvEventSubscribers:
                         self._read(source)
                 now_s = time.monotonic()
                 held_back = False
+                backlog_full = len(self._ready) >= MAX_BACKLOG
                 for source in sources.values():
-                    if source.replay is not None and now_s > source.replay_deadline_s:
+                    if source.replay is not None and backlog_full:
+                        # This side holds the replay back, not the publisher.
+                        source.replay_deadline_s = now_s + REPLAY_TIMEOUT_S
+                    elif source.replay is not None and now_s > source.replay_deadline_s:
                         self._replay_failed(source, "sent nothing in time")
                     if source.replay is None and source.waiting:
                         self._apply_waiting(source)
                     held_back |= source.replay is not None or bool(source.waiting)
-                if held_back and len(self._ready) >= MAX_BACKLOG:
+                if held_back and backlog_full:
                     self._stop.wait(BACKLOG_WAIT_S)  # the main loop catches up first
         except Exception:  # the thread must not die silently; the loop keeps routing
             logger.exception("the KV-event subscriber thread failed")
