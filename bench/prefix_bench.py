@@ -512,8 +512,8 @@ application's pooled connections over them); "told": ``listen.share_prefix_index
 "hosts, told": and the blocks of the prompts they route and their ends
 (``peers.share_prefix_blocks``), which they hold until the end; "told unheld": without
 the ends, indexed unheld (a what-if); "5 % lost": told and held over a network that loses
-5 % of the datagrams (a lost run cuts what a gateway learns of the prompt; a lost end waits
-for the sender's watermark)."""
+5 % of the datagrams (a lost run cuts what a gateway learns of the prompt; a lost end is
+sent again on the next heartbeat, and one lost twice waits for the sender's watermark)."""
 
 
 def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
@@ -543,6 +543,7 @@ def _worker_rows(ctx: Context, name: str, seed: int) -> list[Row]:
             source=source, setup=setup,
         )  # fmt: skip
         if extra.get("peer_datagram_loss"):
+            row["peer_resent_ends"] = result.peer_resent_ends
             row["peer_lost_ends"] = result.peer_lost_ends
             row["peer_watermark_wait_s"] = result.peer_watermark_wait_s
         rows.append(row)

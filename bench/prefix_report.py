@@ -450,8 +450,9 @@ def workers_section(doc: dict[str, Any]) -> list[str]:
         "(`peers.share_prefix_blocks`, on by default), held in between, 1 ms later; "
         '"told unheld" (a what-if): the blocks indexed unheld, the ends not told; '
         '"5 % lost": told and held, over a network that loses 5 % of the datagrams (a '
-        "lost run cuts what a gateway learns of the prompt; a lost end holds the blocks "
-        "until the sender's watermark, its oldest request not ended, passes it). "
+        "lost run cuts what a gateway learns of the prompt; a lost end is sent again on the "
+        "next heartbeat, and one lost twice holds the blocks until the sender's watermark, "
+        "its oldest request not ended, passes it). "
         "`oracle` is SAL on the engines' true cache contents, what `kv_events` gives every "
         "worker. `sal-bench prefix --only workers`; "
         f"{_runs(rows)}; fcfs engines. Ratios are paired per window "
@@ -530,20 +531,23 @@ def _loss_lines(rows: Sequence[Row]) -> list[str]:
         return []
     lines = [
         "",
-        "| router | p50: 5 % lost / lossless | p95: 5 % lost / lossless | ends lost per window "
-        "| extra hold of a lost end (s) |",
-        "|---|---|---|---|---|",
+        "| router | p50: 5 % lost / lossless | p95: 5 % lost / lossless "
+        "| ends resent per window | ends lost twice per window "
+        "| extra hold of an end lost twice (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for router in dict.fromkeys(r["router"] for r in lossy):
         approx = [r for r in rows if r["router"] == router and r["source"] == "approximate"]
         mine = [r for r in lossy if r["router"] == router]
         waits = [r["peer_watermark_wait_s"] for r in mine if r["peer_watermark_wait_s"]]
         lost = [float(r["peer_lost_ends"]) for r in mine]
+        resent = [float(r.get("peer_resent_ends", 0)) for r in mine]
         lines.append(
             f"| {router} "
             f"| {_setup_ratios(approx, '8 hosts, told', LOSSY, 'ttft_p50_s')} "
             f"| {_setup_ratios(approx, '8 hosts, told', LOSSY, 'ttft_p95_s')} "
-            f"| {_spread_text(lost, '{:.0f}')} | {_spread_text(waits, '{:.2f}')} |"
+            f"| {_spread_text(resent, '{:.0f}')} | {_spread_text(lost, '{:.0f}')} "
+            f"| {_spread_text(waits, '{:.2f}')} |"
         )
     return lines
 

@@ -73,6 +73,8 @@ PEER_KEYS_PER_DATAGRAM = 170
 a test keeps the two equal)."""
 PEER_MAX_DATAGRAMS = 8
 """Datagrams one request's prompt is told in (`sal_gateway.peers.MAX_BLOCK_DATAGRAMS`)."""
+PEER_HEARTBEAT_S = 0.1
+"""``peers.heartbeat_s``'s default: each end is sent again on the next heartbeat."""
 
 
 class SimulationError(RuntimeError):
@@ -256,8 +258,11 @@ class SimResult:
     """Every routing decision, in arrival order."""
     aborted: bool = False
     """Stopped early because the `LateAbort` bound was crossed (the rest is unfinished)."""
+    peer_resent_ends: int = 0
+    """`RouterConfig.peer_datagram_loss`: request ends whose datagram to another gateway was
+    lost and whose copy on the next heartbeat arrived."""
     peer_lost_ends: int = 0
-    """`RouterConfig.peer_datagram_loss`: request ends lost on the way to another gateway."""
+    """Request ends lost on the way twice (both copies): left to the sender's watermark."""
     peer_lost_ends_released: int = 0
     """Of those, the ones the sender's watermark released before the run ended."""
     peer_watermark_wait_s: float | None = None
@@ -461,10 +466,11 @@ class Simulation:
             for views in self._views
         ]
         # Prompt blocks the other gateways told each one over the network (peer_prefix_blocks):
-        # (time it hears them, replica, keys), in the order they arrive.
-        self._heard_blocks: list[deque[tuple[float, int, list[int], bool | None]]] = [
-            deque() for _ in range(cfg.gateways)
+        # a heap of (time it hears them, arrival order, replica, keys, held).
+        self._heard_blocks: list[list[tuple[float, int, int, list[int], bool | None]]] = [
+            [] for _ in range(cfg.gateways)
         ]
+        self._heard_order = 0
         # peer_datagram_loss: each gateway numbers its requests; what each other gateway
         # heard of a request (receiver -> its keys); the sender's requests not ended; and
         # its ends that were lost, waiting for its watermark to pass them.
@@ -475,8 +481,10 @@ class Simulation:
         self._peer_lost_ends: list[list[tuple[int, int, int, list[int], float]]] = [
             [] for _ in range(cfg.gateways)
         ]
+        self.peer_resent_ends = 0
+        """Ends whose datagram was lost and whose heartbeat copy arrived."""
         self.peer_lost_ends = 0
-        """Ends lost on the way (`peer_datagram_loss`)."""
+        """Ends lost on the way twice (`peer_datagram_loss`): left to the watermark."""
         self.peer_watermark_releases = 0
         """Of those, the ones a watermark released before the run ended."""
         self.peer_watermark_wait_s = 0.0
@@ -579,6 +587,7 @@ class Simulation:
             final_beta=self._betas[0].beta,
             decisions=self._decisions,
             aborted=aborted,
+            peer_resent_ends=self.peer_resent_ends,
             peer_lost_ends=self.peer_lost_ends,
             peer_lost_ends_released=self.peer_watermark_releases,
             peer_watermark_wait_s=(
@@ -631,7 +640,7 @@ class Simulation:
         if self._router_cfg.peer_prefix_blocks:
             heard_blocks = self._heard_blocks[gateway]
             while heard_blocks and heard_blocks[0][0] <= now_s:
-                _, told_replica, told_keys, told_held = heard_blocks.popleft()
+                _, _, told_replica, told_keys, told_held = heapq.heappop(heard_blocks)
                 if told_held is None:
                     cache.on_heard(told_replica, told_keys)
                 elif told_held:
@@ -736,7 +745,7 @@ class Simulation:
         self._peer_next[gateway] += 1
         self._peer_open[gateway].add(number)
         heard_by: dict[int, list[int]] = {}
-        for g, heard_blocks in enumerate(self._heard_blocks):
+        for g in range(len(self._heard_blocks)):
             if g == gateway:
                 continue
             heard = told
@@ -747,23 +756,40 @@ class Simulation:
                         break
             if heard:
                 heard_by[g] = heard
-                heard_blocks.append((heard_at_s, replica, heard, held))
+                self._hear(g, heard_at_s, replica, heard, held)
         self._peer_heard[request_id] = (number, heard_by)
 
+    def _hear(
+        self, gateway: int, at_s: float, replica: int, keys: list[int], held: bool | None
+    ) -> None:
+        """`gateway` hears at `at_s` that `keys` were routed to `replica` (`held`), or that
+        their request ended (`held` False)."""
+        self._heard_order += 1
+        heapq.heappush(self._heard_blocks[gateway], (at_s, self._heard_order, replica, keys, held))
+
     def _tell_peers_ended(self, gateway: int, request_id: str, replica: int, now_s: float) -> None:
-        """The request ended: each other gateway that holds its blocks hears so, or (its end
-        lost) once the sender's watermark passes the request. Unheld (`peer_prefix_holds`
-        False): nobody tells."""
+        """The request ended: each other gateway that holds its blocks hears so
+        `gossip_delay_s` later; one whose datagram was lost hears the copy the next heartbeat
+        sends (`PEER_HEARTBEAT_S` later: the longest wait); one that lost both, once the
+        sender's watermark passes the request. Unheld (`peer_prefix_holds` False): nobody
+        tells."""
         cfg = self._router_cfg
         heard_at_s = now_s + cfg.gossip_delay_s
         number, heard_by = self._peer_heard.pop(request_id)
         lost = self._peer_lost_ends[gateway]
+
+        def arrives() -> bool:
+            return cfg.peer_datagram_loss <= 0 or self._loss_rng.random() >= cfg.peer_datagram_loss
+
         for g, keys in heard_by.items() if cfg.peer_prefix_holds else ():
-            if cfg.peer_datagram_loss > 0 and self._loss_rng.random() < cfg.peer_datagram_loss:
+            if arrives():
+                self._hear(g, heard_at_s, replica, keys, False)
+            elif arrives():
+                self._hear(g, heard_at_s + PEER_HEARTBEAT_S, replica, keys, False)
+                self.peer_resent_ends += 1
+            else:
                 lost.append((number, g, replica, keys, now_s))
                 self.peer_lost_ends += 1
-            else:
-                self._heard_blocks[g].append((heard_at_s, replica, keys, False))
         open_numbers = self._peer_open[gateway]
         open_numbers.discard(number)
         if not lost:
@@ -773,7 +799,7 @@ class Simulation:
         for entry in lost:
             if entry[0] < watermark:
                 _, g, lost_replica, keys, lost_s = entry
-                self._heard_blocks[g].append((heard_at_s, lost_replica, keys, False))
+                self._hear(g, heard_at_s, lost_replica, keys, False)
                 self.peer_watermark_releases += 1
                 self.peer_watermark_wait_s += now_s - lost_s
             else:

@@ -26,11 +26,16 @@ each gateway's prefix index holds the blocks it routed itself, so a conversation
 reach different gateways (a Service spreads a chat application's connections) would lose its
 prefix. So a gateway also sends, when it routes a request, the block keys of its prompt
 (`tell_blocks`; up to `MAX_BLOCK_DATAGRAMS` datagrams of `peer_wire.BLOCK_KEYS_PER_DATAGRAM`
-keys), and the others index them as cached on that backend, most recent, *unheld*
-(`sal_gateway.prefix_cache.PrefixTracker.heard`): nobody is told when the request ends, so
-a lost datagram can pin nothing, and the memory term charges those blocks as new KV (it
-never credits a block twice). The workers of one host tell each other through
-`sal_gateway.prefix_share` instead, with holds.
+keys, numbered as one request), and the others index them as cached on that backend, most
+recent, *held* (`sal_gateway.prefix_cache.PrefixTracker.told`) until the sender says the
+request ended: a block a running request holds is not evictable, so the memory term must
+not charge its reuse. The end is sent when the request ends and once more on the next
+heartbeat (at most `MAX_RESENT_ENDS` a heartbeat), so one lost datagram costs at most a
+heartbeat. Every datagram also carries the sender's oldest request not ended (its
+*watermark*; the heartbeat sends it too): a peer releases every hold below it, so an end
+lost twice is made good once the sender's earlier requests end, and a silent or restarted
+sender's holds are released. `MAX_HELD_RUNS` bounds what one peer can pin. The workers of
+one host tell each other through `sal_gateway.prefix_share` instead.
 
 Trust: every datagram carries an HMAC tag under a secret all the gateways share (from the
 environment, `load_secret`); one without it is dropped and counted
@@ -87,6 +92,9 @@ MAX_BLOCK_DATAGRAMS = 8
 """Datagrams of prompt blocks per routed request and peer (`PeerNetwork.tell_blocks`): the
 first 8 x 170 = 1,360 blocks, 21,760 tokens with vLLM's default 16-token blocks. A longer
 prompt's later blocks stay unknown to the peers, which still find its first 21k tokens."""
+MAX_RESENT_ENDS = 1024
+"""Ends sent a second time on the next heartbeat, at most (beyond: the watermark repairs a
+lost one)."""
 MAX_HELD_RUNS = 65_536
 """Runs of blocks (one routed datagram each) held for one peer at once: a bound on what a
 peer that never says its requests ended can pin (a bug, or a peer with the secret that
@@ -217,6 +225,8 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._backends: dict[int, tuple[str, str]] = {}
         self._request = 0
         self._told: dict[int, None] = {}
+        self._ended: list[int] = []
+        """Requests ended since the last heartbeat, whose end it sends again."""
         """This gateway's told requests that have not ended, oldest first."""
         self.on_blocks: Callable[[str, str, Sequence[int], bool], bool] | None = None
         """Called with ``(model, url, keys, True)`` for the prompt blocks a peer routed to a
@@ -303,6 +313,8 @@ class PeerNetwork(asyncio.DatagramProtocol):
             del self._told[request]
             if self._transport is not None and not self._transport.is_closing():
                 self._send_all(self._transport, [self._blocks_datagram(ENDED, request)])
+                if len(self._ended) < MAX_RESENT_ENDS:
+                    self._ended.append(request)
 
         return ended
 
@@ -523,8 +535,12 @@ class PeerNetwork(asyncio.DatagramProtocol):
             await asyncio.sleep(self.config.heartbeat_s)
             self._send(sorted(self._own), announce=True)
             if self._request and self._transport is not None:
-                # The watermark: a peer that missed an end releases those blocks now.
-                self._send_all(self._transport, [self._blocks_datagram(WATERMARK, 0)])
+                # Each recent end once more (a peer that missed it releases its blocks now,
+                # one that did not ignores it), then the watermark.
+                ended, self._ended = self._ended, []
+                datagrams = [self._blocks_datagram(ENDED, request) for request in ended]
+                datagrams.append(self._blocks_datagram(WATERMARK, 0))
+                self._send_all(self._transport, datagrams)
             self._forget(self._clock())
 
     async def _keep_resolving(self) -> None:

@@ -602,6 +602,47 @@ async def test_a_missed_end_is_made_good_by_the_watermark() -> None:
             assert index.holding() == {}
 
 
+async def test_a_lost_end_is_sent_again_on_the_next_heartbeat() -> None:
+    """Request 2 ends while request 1 still runs, and its end datagram is lost: the
+    watermark cannot pass request 2 until request 1 ends, but the next heartbeat sends the
+    end again, so the other gateway releases request 2's blocks within a heartbeat (and
+    request 1's stay held). The copy of an end that did arrive changes nothing."""
+    clock = [0.0]
+    pair = _Pair(clock)
+    async with pair as (a, b):
+        index = _Index.on(b)
+        real_send = a._send_all
+        lost: list[int] = []
+
+        def lose_the_first_end(
+            transport: asyncio.DatagramTransport, datagrams: list[bytes]
+        ) -> None:
+            if (
+                not lost
+                and len(datagrams) == 1
+                and decode_blocks(SECRET, datagrams[0]).kind == ENDED
+            ):
+                lost.append(decode_blocks(SECRET, datagrams[0]).request)
+                return
+            real_send(transport, datagrams)
+
+        a._send_all = lose_the_first_end  # type: ignore[method-assign]
+        a.tell_blocks("m", R1, [1])  # request 1: runs on
+        end_2 = a.tell_blocks("m", R1, [2])
+        await _until(lambda: len(index.holding()) == 2, 1.0)
+        end_2()
+        assert lost == [2]
+        await _until(lambda: index.holding() == {(R1, (1,)): 1}, 1.0)  # the heartbeat's copy
+        end_3 = a.tell_blocks("m", R1, [3])
+        await _until(lambda: len(index.holding()) == 2, 1.0)
+        end_3()  # arrives; its copy a heartbeat later is ignored
+        await _until(lambda: index.holding() == {(R1, (1,)): 1}, 1.0)
+        released = sum(1 for c in index.calls if not c[2])
+        await asyncio.sleep(0.2)  # several heartbeats
+        assert sum(1 for c in index.calls if not c[2]) == released
+        assert b.held_requests() == 1
+
+
 async def test_a_silent_or_restarted_gateways_holds_are_released() -> None:
     clock = [0.0]
     pair = _Pair(clock)
