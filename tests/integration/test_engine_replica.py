@@ -126,7 +126,11 @@ def _task_state(task: asyncio.Task[Any]) -> str:
     if task.cancelled():
         return "cancelled"
     error = task.exception()
-    return "finished" if error is None else f"failed: {type(error).__name__}: {error}"[:200]
+    if error is None:
+        return "finished"
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:  # a TaskGroup's
+        error = error.exceptions[0]
+    return f"failed: {type(error).__name__}: {error!r}"[:300]
 
 
 async def first_token_order(
@@ -458,7 +462,11 @@ class TestTwoApiServers:
         samples: list[ReplicaStats] = []
 
         async def hold_a_queue_and_sample() -> bool:
-            timeout = httpx.Timeout(300.0, connect=10.0)
+            # Connects get 30 s here too: the three queued requests open new connections while
+            # the blocker decodes, and a clean-clone run (vLLM 0.33 pass) lost all three at once
+            # (their TaskGroups failed; the message did not say why, it now does); the 10 s
+            # connect timeout of a stalled box is the likeliest cause.
+            timeout = httpx.Timeout(300.0, connect=30.0)
             stats_url, fresh = f"{larry_url}/stats", {"connection": "close"}
             async with (
                 httpx.AsyncClient(timeout=timeout) as streams,
