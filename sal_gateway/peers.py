@@ -225,9 +225,9 @@ class PeerNetwork(asyncio.DatagramProtocol):
         self._backends: dict[int, tuple[str, str]] = {}
         self._request = 0
         self._told: dict[int, None] = {}
+        """This gateway's told requests that have not ended, oldest first."""
         self._ended: list[int] = []
         """Requests ended since the last heartbeat, whose end it sends again."""
-        """This gateway's told requests that have not ended, oldest first."""
         self.on_blocks: Callable[[str, str, Sequence[int], bool], bool] | None = None
         """Called with ``(model, url, keys, True)`` for the prompt blocks a peer routed to a
         backend this gateway knows, and with ``False`` when that request ended
