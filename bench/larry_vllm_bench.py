@@ -1,9 +1,14 @@
 """FCFS vs LARRY vs the tail-guarded LARRY on one real vLLM-on-CPU replica (Azure chat trace).
 
-For each scheduler in turn, starts one replica (``sal-engine serve``, identical settings
-except the scheduler), replays ``--runs`` slices of the trace (run ``i``: rows
+Starts one replica per scheduler (``sal-engine serve``, identical settings except the
+scheduler) and replays ``--runs`` slices of the trace on each (run ``i``: rows
 ``start_row + i * requests`` on) with the trace's own inter-arrival times divided by
-``--load-factor``, waiting for the replica to be idle between slices, and prints per
+``--load-factor``, one replay at a time, waiting for the replica to be idle first. By default
+(``--order interleaved``) every replica runs from the start and each slice is replayed on
+every scheduler in turn, the order rotated from slice to slice, so the runs a ratio pairs are
+seconds apart instead of one scheduler's whole share of the benchmark (``--order grouped``:
+one replica at a time, all its slices, then the next). Idle replicas wait on their queues and
+cost the running one little CPU. Prints per
 scheduler the median (min-max over the runs) of TTFT (p50/p95/p99/max), normalized TTFT
 (TTFT per prompt token), total generation time, preemptions (vLLM's own
 ``vllm:num_preemptions`` counter) and the latency of ``GET /stats`` polled at 10 Hz, plus
@@ -13,17 +18,20 @@ are forced to the trace's length (capped) with ``ignore_eos`` + ``max_tokens``.
 
 Schedulers: ``fcfs`` (vLLM's order + /stats), ``fcfs+headroom`` (the same with vLLM's
 ``--watermark`` set to ``--headroom``), ``larry`` (the paper's, ``--alpha``), ``larry_tail``
-(the tail guard, its ``headroom`` set to ``--headroom``), ``stock``.
+(the tail guard, its ``headroom`` set to ``--headroom``), ``larry_tail+marginM`` (the same
+with ``margin_s`` M, e.g. ``larry_tail+margin2``), ``stock``.
 
     python -m bench.larry_vllm_bench [--trace PATH] [--requests 80] [--runs 3] [--load-factor 1.0]
 
-Takes ~4 minutes per scheduler on 2 CPU cores (a replica start plus three replays).
+A replay of 150 requests takes ~10 s; starting the replicas takes most of the time (a few
+minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import random
@@ -32,7 +40,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -250,7 +259,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def ratio_rows(results: Sequence[RunResult], schedulers: Sequence[str]) -> list[tuple[str, ...]]:
     """Per metric, per non-FCFS scheduler: scheduler / FCFS on the same slice, median
-    (min-max) over the runs (below 1: better than FCFS)."""
+    (min-max) over the runs and on how many runs it is below 1 (better than FCFS)."""
     fcfs = {r.run: _metrics(r) for r in results if r.scheduler == "fcfs"}
     others = [s for s in schedulers if s != "fcfs"]
     if not fcfs or not others:
@@ -263,7 +272,8 @@ def ratio_rows(results: Sequence[RunResult], schedulers: Sequence[str]) -> list[
             for r in results:
                 if r.scheduler == s and r.run in fcfs and fcfs[r.run][name] > 0:
                     vals.append(_metrics(r)[name] / fcfs[r.run][name])
-            cells.append(_spread(vals))
+            below = sum(v < 1 for v in vals)
+            cells.append(f"{_spread(vals)}, {below}/{len(vals)} < 1" if vals else "n/a")
         rows.append((name.replace(" (s)", ""), *cells))
     return rows
 
@@ -315,13 +325,38 @@ BENCH_SCHEDULERS = {
 """Benchmark scheduler names -> the launcher's ``--sal-scheduler``."""
 
 
+_MARGIN_VARIANT = re.compile(r"^larry_tail\+margin(\d+(?:\.\d+)?)$")
+"""``larry_tail+margin2``: the tail guard with ``margin_s`` 2."""
+
+
+def launcher_scheduler(name: str) -> str | None:
+    """The launcher's ``--sal-scheduler`` of a benchmark scheduler name (None: unknown)."""
+    if name in BENCH_SCHEDULERS:
+        return BENCH_SCHEDULERS[name]
+    return "larry_tail" if _MARGIN_VARIANT.match(name) else None
+
+
 def _scheduler_args(name: str, headroom: float) -> list[str]:
-    """Extra replica arguments of one benchmark scheduler (the headroom settings)."""
+    """Extra replica arguments of one benchmark scheduler (headroom and margin settings)."""
     if name == "fcfs+headroom":
         return ["--watermark", repr(headroom)]
-    if name == "larry_tail":
-        return ["--additional-config", json.dumps({"larry_tail": {"headroom": headroom}})]
+    margin = _MARGIN_VARIANT.match(name)
+    if name == "larry_tail" or margin:
+        config: dict[str, float] = {"headroom": headroom}
+        if margin:
+            config["margin_s"] = float(margin.group(1))
+        return ["--additional-config", json.dumps({"larry_tail": config})]
     return []
+
+
+def replay_order(schedulers: Sequence[str], runs: int, order: str) -> list[tuple[int, str]]:
+    """(slice, scheduler) pairs in the order they are replayed: ``grouped`` runs every slice
+    of one scheduler before the next; ``interleaved`` runs each slice on every scheduler,
+    starting slice ``i`` at scheduler ``i mod n`` so no scheduler always goes first."""
+    if order == "grouped":
+        return [(run, s) for s in schedulers for run in range(runs)]
+    n = len(schedulers)
+    return [(run, schedulers[(run + k) % n]) for run in range(runs) for k in range(n)]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -338,7 +373,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-tokens", type=int, default=1536)
     parser.add_argument("--max-output-tokens", type=int, default=48)
     parser.add_argument("--runs", type=int, default=3, help="trace slices per scheduler (3)")
-    parser.add_argument("--schedulers", default="fcfs,fcfs+headroom,larry,larry_tail")
+    parser.add_argument(
+        "--schedulers",
+        default="fcfs,fcfs+headroom,larry,larry_tail",
+        help="comma-separated, among " + ", ".join(BENCH_SCHEDULERS) + ", larry_tail+marginM",
+    )
+    parser.add_argument(
+        "--order",
+        choices=("interleaved", "grouped"),
+        default="interleaved",
+        help="interleaved (default): every replica up at once, each slice on every scheduler "
+        "in turn; grouped: one replica at a time",
+    )
     parser.add_argument(
         "--headroom",
         type=float,
@@ -361,19 +407,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _remove_log_unless_failed(replica: LocalReplica) -> Callable[..., None]:
+    def exit_(exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            replica.remove_log()
+
+    return exit_
+
+
+def _start(stack: contextlib.ExitStack, replicas: list[LocalReplica], names: list[str]) -> None:
+    """Start `replicas` together; `stack` stops them when it closes and removes their logs
+    unless it closes on an exception (a failed start's log tail is in its error)."""
+    print(f"starting {', '.join(names)} replica(s) ...", file=sys.stderr, flush=True)
+    for replica in replicas:
+        stack.push(_remove_log_unless_failed(replica))
+        stack.callback(replica.stop)
+    with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+        for future in [pool.submit(r.start, 600.0) for r in replicas]:
+            future.result()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.trace.is_file():
         print(f"larry_vllm_bench: error: {missing_message(args.trace, '--trace')}", file=sys.stderr)
         return 2
-    requests = load_trace_slice(
-        args.trace,
-        start_row=args.start_row,
-        count=args.requests,
-        load_factor=args.load_factor,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_output_tokens=args.max_output_tokens,
-    )
     replica_args = [
         "--served-model-name",
         SERVED_NAME,
@@ -385,10 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(args.max_num_batched_tokens),
     ]
     schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
-    bad = [s for s in schedulers if s not in BENCH_SCHEDULERS]
-    if bad or args.runs < 1:
+    bad = [s for s in schedulers if launcher_scheduler(s) is None]
+    if bad or args.runs < 1 or len(set(schedulers)) != len(schedulers):
         print(
             f"larry_vllm_bench: error: --schedulers among {', '.join(BENCH_SCHEDULERS)}, "
+            "larry_tail+marginM, each once, "
             f"--runs >= 1 (got {args.schedulers!r}, {args.runs})",
             file=sys.stderr,
         )
@@ -407,21 +466,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="larry-bench-") as tmp:
         model_dir = args.model_dir or tiny_model.build(Path(tmp) / "tiny")
-        for i, scheduler in enumerate(schedulers):
-            command = replica_command(
-                model_dir,
+        replicas = {
+            scheduler: LocalReplica(
+                replica_command(
+                    model_dir,
+                    args.port + i,
+                    scheduler=launcher_scheduler(scheduler) or scheduler,
+                    alpha=args.alpha,
+                    extra_args=[*replica_args, *_scheduler_args(scheduler, args.headroom)],
+                ),
                 args.port + i,
-                scheduler=BENCH_SCHEDULERS[scheduler],
-                alpha=args.alpha,
-                extra_args=[*replica_args, *_scheduler_args(scheduler, args.headroom)],
             )
-            print(f"starting {scheduler} replica ...", file=sys.stderr, flush=True)
-            with LocalReplica(command, args.port + i) as replica:
-                for run, requests in enumerate(slices):
-                    asyncio.run(wait_idle(replica.base_url))
-                    result = asyncio.run(replay(replica.base_url, requests, scheduler, run))
-                    results.append(result)
-                    print(f"{scheduler} run {run}: done", file=sys.stderr, flush=True)
+            for i, scheduler in enumerate(schedulers)
+        }
+        with contextlib.ExitStack() as running:
+            current: list[str] = []
+            for run, scheduler in replay_order(schedulers, args.runs, args.order):
+                if scheduler not in current:
+                    # Grouped: the previous scheduler is done; interleaved: start them all.
+                    wanted = schedulers if args.order == "interleaved" else [scheduler]
+                    if args.order == "grouped":
+                        running.close()
+                    _start(running, [replicas[s] for s in wanted], wanted)
+                    current = list(wanted)
+                url = replicas[scheduler].base_url
+                asyncio.run(wait_idle(url))
+                results.append(asyncio.run(replay(url, slices[run], scheduler, run)))
+                print(f"{scheduler} run {run}: done", file=sys.stderr, flush=True)
     prompts = [r.prompt_tokens for sl in slices for r in sl]
     print(
         f"\n{args.runs} x {args.requests} requests from {args.trace.name} rows "

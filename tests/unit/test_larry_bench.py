@@ -11,8 +11,11 @@ from bench.larry_vllm_bench import (
     RunResult,
     _scheduler_args,
     format_table,
+    launcher_scheduler,
     load_trace_slice,
+    main,
     ratio_rows,
+    replay_order,
     summary_rows,
 )
 
@@ -65,8 +68,8 @@ def test_ratios_pair_each_run_with_fcfs_on_the_same_slice() -> None:
     ]
     rows = {row[0]: row[1] for row in ratio_rows(results, ["fcfs", "larry_tail"])}
     # Run 0 halves every latency, run 1 ties: the median of 0.5 and 1.0, with the spread.
-    assert rows["TTFT p50"] == "0.75 (0.5-1)"
-    assert rows["TTFT max"] == "0.75 (0.5-1)"
+    assert rows["TTFT p50"] == "0.75 (0.5-1), 1/2 < 1"
+    assert rows["TTFT max"] == "0.75 (0.5-1), 1/2 < 1"
     summary = {row[0]: row[1:] for row in summary_rows(results, ["fcfs", "larry_tail"])}
     assert summary["TTFT p50 (s)"] == ("3 (2-4)", "2.5 (1-4)")
 
@@ -79,3 +82,35 @@ def test_headroom_reaches_the_replica_as_vllm_and_larry_tail_settings() -> None:
     ]
     assert _scheduler_args("larry", 0.05) == []
     assert set(BENCH_SCHEDULERS) >= {"fcfs", "fcfs+headroom", "larry", "larry_tail"}
+
+
+def test_a_margin_variant_runs_the_tail_guard_with_that_margin() -> None:
+    assert launcher_scheduler("larry_tail+margin2") == "larry_tail"
+    assert launcher_scheduler("larry_tail+margin0.25") == "larry_tail"
+    assert _scheduler_args("larry_tail+margin2", 0.05) == [
+        "--additional-config",
+        '{"larry_tail": {"headroom": 0.05, "margin_s": 2.0}}',
+    ]
+    assert launcher_scheduler("larry_tail+margin") is None
+    assert launcher_scheduler("larry+margin2") is None
+
+
+def test_interleaved_order_runs_each_slice_on_every_scheduler_first_in_turn() -> None:
+    order = replay_order(["fcfs", "larry", "larry_tail"], 3, "interleaved")
+    assert order == [
+        (0, "fcfs"), (0, "larry"), (0, "larry_tail"),
+        (1, "larry"), (1, "larry_tail"), (1, "fcfs"),
+        (2, "larry_tail"), (2, "fcfs"), (2, "larry"),
+    ]  # fmt: skip
+    grouped = replay_order(["fcfs", "larry"], 2, "grouped")
+    assert grouped == [(0, "fcfs"), (1, "fcfs"), (0, "larry"), (1, "larry")]
+
+
+@pytest.mark.parametrize("schedulers", ["fcfs,lary", "fcfs,fcfs", "larry_tail+marginx"])
+def test_unknown_or_repeated_schedulers_are_refused_before_any_replica_starts(
+    schedulers: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE)
+    assert main(["--trace", str(trace), "--schedulers", schedulers]) == 2
+    assert "--schedulers among" in capsys.readouterr().err
