@@ -19,7 +19,8 @@ are forced to the trace's length (capped) with ``ignore_eos`` + ``max_tokens``.
 Schedulers: ``fcfs`` (vLLM's order + /stats), ``fcfs+headroom`` (the same with vLLM's
 ``--watermark`` set to ``--headroom``), ``larry`` (the paper's, ``--alpha``), ``larry_tail``
 (the tail guard, its ``headroom`` set to ``--headroom``), ``larry_tail+marginM`` (the same
-with ``margin_s`` M, e.g. ``larry_tail+margin2``), ``stock``.
+with ``margin_s`` M, e.g. ``larry_tail+margin2``), ``fcfs+noprefix`` and ``larry+noprefix``
+(vLLM's prefix caching off: no cache lookups in LARRY's memory term), ``stock``.
 
     python -m bench.larry_vllm_bench [--trace PATH] [--requests 80] [--runs 3] [--load-factor 1.0]
 
@@ -321,6 +322,8 @@ BENCH_SCHEDULERS = {
     "larry": "larry",
     "larry_tail": "larry_tail",
     "stock": "stock",
+    "larry+noprefix": "larry",
+    "fcfs+noprefix": "fcfs",
 }
 """Benchmark scheduler names -> the launcher's ``--sal-scheduler``."""
 
@@ -340,6 +343,8 @@ def _scheduler_args(name: str, headroom: float) -> list[str]:
     """Extra replica arguments of one benchmark scheduler (headroom and margin settings)."""
     if name == "fcfs+headroom":
         return ["--watermark", repr(headroom)]
+    if name.endswith("+noprefix"):  # no prefix-cache lookups in LARRY's memory term either
+        return ["--no-enable-prefix-caching"]
     margin = _MARGIN_VARIANT.match(name)
     if name == "larry_tail" or margin:
         config: dict[str, float] = {"headroom": headroom}

@@ -81,6 +81,8 @@ def test_headroom_reaches_the_replica_as_vllm_and_larry_tail_settings() -> None:
         '{"larry_tail": {"headroom": 0.05}}',
     ]
     assert _scheduler_args("larry", 0.05) == []
+    assert _scheduler_args("larry+noprefix", 0.05) == ["--no-enable-prefix-caching"]
+    assert launcher_scheduler("larry+noprefix") == "larry"
     assert set(BENCH_SCHEDULERS) >= {"fcfs", "fcfs+headroom", "larry", "larry_tail"}
 
 
