@@ -8,7 +8,10 @@ scheduler) and replays ``--runs`` slices of the trace on each (run ``i``: rows
 every scheduler in turn, the order rotated from slice to slice, so the runs a ratio pairs are
 seconds apart instead of one scheduler's whole share of the benchmark (``--order grouped``:
 one replica at a time, all its slices, then the next). Idle replicas wait on their queues and
-cost the running one little CPU. Prints per
+cost the running one little CPU. ``--pin`` puts the replicas' engine processes on the last
+CPU and their API servers and this client on the others (`bench.cpu_pinning`), so that the
+engine's share of the machine does not swing with the load of streaming 150 responses.
+Prints per
 scheduler the median (min-max over the runs) of TTFT (p50/p95/p99/max), normalized TTFT
 (TTFT per prompt token), total generation time, preemptions (vLLM's own
 ``vllm:num_preemptions`` counter) and the latency of ``GET /stats`` polled at 10 Hz, plus
@@ -35,6 +38,7 @@ import asyncio
 import contextlib
 import csv
 import json
+import os
 import random
 import re
 import statistics
@@ -49,6 +53,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.cpu_pinning import pin_replica, pin_self, split_cpus
 from engine_patch import tiny_model
 from engine_patch.replica import LocalReplica, replica_command
 from engine_sim.data import AZURE_CHAT, data_dir, missing_message
@@ -391,6 +396,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "in turn; grouped: one replica at a time",
     )
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="engines (EngineCore, workers) on the last CPU, the replicas' API servers and "
+        "this client on the others, so the engine's CPU share does not depend on the load "
+        "the client and the API server put on the machine (Linux, >= 2 CPUs)",
+    )
+    parser.add_argument(
         "--headroom",
         type=float,
         default=0.05,
@@ -432,6 +444,22 @@ def _start(stack: contextlib.ExitStack, replicas: list[LocalReplica], names: lis
             future.result()
 
 
+def _pin(replicas: list[LocalReplica], front: frozenset[int], engine: frozenset[int]) -> None:
+    """Each replica's API server and this client on `front`, its engine processes on
+    `engine` (`bench.cpu_pinning`)."""
+    engines = 0
+    for replica in replicas:
+        assert replica.proc is not None
+        engines += len(pin_replica(replica.proc.pid, front, engine))
+    pin_self(front)
+    print(
+        f"pinned: API servers and this client on CPUs {sorted(front)}, {engines} engine "
+        f"processes on {sorted(engine)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.trace.is_file():
@@ -468,6 +496,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for i in range(args.runs)
     ]
+    pinning: tuple[frozenset[int], frozenset[int]] | None = None
+    if args.pin:
+        try:
+            pinning = split_cpus(os.sched_getaffinity(0))
+        except ValueError as exc:
+            print(f"larry_vllm_bench: error: --pin: {exc}", file=sys.stderr)
+            return 2
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="larry-bench-") as tmp:
         model_dir = args.model_dir or tiny_model.build(Path(tmp) / "tiny")
@@ -493,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if args.order == "grouped":
                         running.close()
                     _start(running, [replicas[s] for s in wanted], wanted)
+                    if pinning is not None:
+                        _pin([replicas[s] for s in wanted], *pinning)
                     current = list(wanted)
                 url = replicas[scheduler].base_url
                 asyncio.run(wait_idle(url))
@@ -504,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.start_row}..{args.start_row + args.runs * args.requests - 1}, load factor "
         f"{args.load_factor}, prompts {min(prompts)}-{max(prompts)} tokens (mean "
         f"{statistics.fmean(prompts):.0f}), outputs <= {args.max_output_tokens}; replica: "
-        f"{' '.join(replica_args[2:])}; headroom {args.headroom:g}\n"
+        f"{' '.join(replica_args[2:])}; headroom {args.headroom:g}; order {args.order}"
+        f"{'; engines pinned to their own CPU' if pinning else ''}\n"
     )
     print("Median (min-max) over the runs:\n")
     print(format_table(["metric", *schedulers], summary_rows(results, schedulers)))
