@@ -14,7 +14,8 @@ engine's share of the machine does not swing with the load of streaming 150 resp
 Prints per
 scheduler the median (min-max over the runs) of TTFT (p50/p95/p99/max), normalized TTFT
 (TTFT per prompt token), total generation time, preemptions (vLLM's own
-``vllm:num_preemptions`` counter) and the latency of ``GET /stats`` polled at 10 Hz, plus
+``vllm:num_preemptions`` counter), engine steps (the count of vLLM's
+``vllm:iteration_tokens_total``) and the latency of ``GET /stats`` polled at 10 Hz, plus
 every scheduler's per-run ratios to FCFS on the same slice. Prompts are random token IDs
 whose lengths are the trace's, scaled so the longest fits the tiny model's context; outputs
 are forced to the trace's length (capped) with ``ignore_eos`` + ``max_tokens``.
@@ -63,6 +64,7 @@ DEFAULT_TRACE = data_dir() / AZURE_CHAT
 """The chat trace in the repository's ``data/`` (``engine_sim.data``)."""
 SERVED_NAME = "tiny"
 _PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
+_STEPS = re.compile(r"^vllm:iteration_tokens_total_count\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,7 @@ class RunResult:
     generation_s: list[float] = field(default_factory=list)
     stats_latency_s: list[float] = field(default_factory=list)
     preemptions: int = 0
+    engine_steps: int = 0
     errors: int = 0
     wall_s: float = 0.0
 
@@ -172,9 +175,15 @@ async def _poll_stats(
         await asyncio.sleep(0.1)
 
 
-async def _preemptions(client: httpx.AsyncClient, url: str) -> int:
-    text = (await client.get(f"{url}/metrics")).text
-    return int(sum(float(v) for v in _PREEMPTIONS.findall(text)))
+def parse_counters(metrics_text: str) -> tuple[int, int]:
+    """vLLM's preemptions and engine steps (``vllm:iteration_tokens_total``'s count) so far,
+    from its ``/metrics`` text (summed over engines; 0 where absent)."""
+    preemptions = int(sum(float(v) for v in _PREEMPTIONS.findall(metrics_text)))
+    return preemptions, int(sum(float(v) for v in _STEPS.findall(metrics_text)))
+
+
+async def _counters(client: httpx.AsyncClient, url: str) -> tuple[int, int]:
+    return parse_counters((await client.get(f"{url}/metrics")).text)
 
 
 async def wait_idle(url: str, timeout_s: float = 120.0) -> None:
@@ -200,7 +209,7 @@ async def replay(
     limits = httpx.Limits(max_connections=len(requests) + 4)
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        before = await _preemptions(client, url)
+        before = await _counters(client, url)
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_stats(client, url, stop, result))
         start = time.monotonic()
@@ -217,7 +226,9 @@ async def replay(
         await poller
         # Counters reach /metrics with the engine's next stats update.
         await asyncio.sleep(1.0)
-        result.preemptions = await _preemptions(client, url) - before
+        after = await _counters(client, url)
+        result.preemptions = after[0] - before[0]
+        result.engine_steps = after[1] - before[1]
     return result
 
 
@@ -232,6 +243,7 @@ def _metrics(r: RunResult) -> dict[str, float]:
     for q in (50, 99):
         out[f"generation time p{q} (s)"] = percentile(r.generation_s, q)
     out["preemptions"] = float(r.preemptions)
+    out["engine steps"] = float(r.engine_steps)
     out["errors"] = float(r.errors)
     out["replay wall time (s)"] = r.wall_s
     for q in (50, 99):

@@ -14,6 +14,7 @@ from bench.larry_vllm_bench import (
     launcher_scheduler,
     load_trace_slice,
     main,
+    parse_counters,
     ratio_rows,
     replay_order,
     summary_rows,
@@ -116,3 +117,15 @@ def test_unknown_or_repeated_schedulers_are_refused_before_any_replica_starts(
     trace.write_text(TRACE)
     assert main(["--trace", str(trace), "--schedulers", schedulers]) == 2
     assert "--schedulers among" in capsys.readouterr().err
+
+
+def test_preemptions_and_engine_steps_are_read_from_vllm_metrics() -> None:
+    text = (
+        "# TYPE vllm:num_preemptions_total counter\n"
+        'vllm:num_preemptions_total{engine="0",model_name="tiny"} 3.0\n'
+        'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="tiny"} 40.0\n'
+        'vllm:iteration_tokens_total_count{engine="0",model_name="tiny"} 812.0\n'
+        'vllm:iteration_tokens_total_sum{engine="0",model_name="tiny"} 9000.0\n'
+    )
+    assert parse_counters(text) == (3, 812)
+    assert parse_counters("") == (0, 0)
