@@ -63,8 +63,6 @@ from sal_core.percentile import percentile
 DEFAULT_TRACE = data_dir() / AZURE_CHAT
 """The chat trace in the repository's ``data/`` (``engine_sim.data``)."""
 SERVED_NAME = "tiny"
-_PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
-_STEPS = re.compile(r"^vllm:iteration_tokens_total_count\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +176,16 @@ async def _poll_stats(
 def parse_counters(metrics_text: str) -> tuple[int, int]:
     """vLLM's preemptions and engine steps (``vllm:iteration_tokens_total``'s count) so far,
     from its ``/metrics`` text (summed over engines; 0 where absent)."""
-    preemptions = int(sum(float(v) for v in _PREEMPTIONS.findall(metrics_text)))
-    return preemptions, int(sum(float(v) for v in _STEPS.findall(metrics_text)))
+    return (
+        _metric_sum(metrics_text, "vllm:num_preemptions_total"),
+        _metric_sum(metrics_text, "vllm:iteration_tokens_total_count"),
+    )
+
+
+def _metric_sum(text: str, name: str) -> int:
+    """The sum of every sample of `name` (any labels) in Prometheus text."""
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+    return int(sum(float(v) for v in values))
 
 
 async def _counters(client: httpx.AsyncClient, url: str) -> tuple[int, int]:
